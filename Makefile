@@ -1,0 +1,58 @@
+# The Inference Path: two commands do everything, on a fresh machine with Python 3.10+.
+#   make book   build the book (HTML in _build/html/intro.html)
+#   make test   unit tests, reference checks, notebooks, strict book build, page screenshots
+# Both are idempotent: the virtual environment is made once and reinstalled only when
+# pyproject.toml changes; the model is fetched once and checked by its SHA-256.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+JB     := $(BIN)/jupyter-book build -W -n --keep-going .
+
+.PHONY: book test venv fetch unit build-book pages gpu-check gpu-check-dry clean
+
+book: venv fetch
+	$(JB)
+	@echo
+	@echo "The book is at $(CURDIR)/_build/html/intro.html"
+
+test: venv fetch unit build-book pages
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10 or newer is needed"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e ".[test,book]"
+	touch $(STAMP)
+
+fetch: venv
+	$(BIN)/llmlib fetch
+
+# Unit tests and the checks against reference libraries (transformers, tokenizers, tiktoken).
+unit: venv fetch
+	$(BIN)/python -m pytest -q -m "not pages" -p no:cacheprovider
+
+# The strict build executes every notebook: a failing cell or a broken reference fails it.
+build-book: venv fetch
+	$(JB)
+
+# Screenshots of every chapter page in headless Chromium (installed here if missing).
+pages: venv
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { echo "installing Debian's chromium for the page screenshots"; \
+	    $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium >/dev/null || \
+	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q >/dev/null && \
+	      $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium >/dev/null; }; }
+	$(BIN)/python -m pytest -q -m pages -p no:cacheprovider
+
+# The GPU check: tests and benchmarks on a CUDA machine, results under results/gpu/.
+gpu-check: venv
+	$(BIN)/python benchmarks/gpu_check.py --out results/gpu
+
+gpu-check-dry: venv
+	$(BIN)/python benchmarks/gpu_check.py --dry-run --out /tmp/llmlib-gpu-check-dry
+
+clean:
+	rm -rf _build
