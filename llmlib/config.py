@@ -131,6 +131,12 @@ PRESETS: dict[str, ModelConfig] = {
         ffn_dim=28_672, max_seq_len=8192, rope_theta=500_000.0, norm_eps=1e-5,
         bos_token_id=128_000, eos_token_ids=(128_001, 128_009),
     ),
+    # Llama 3.1 70B: the same shape as Llama 3 70B, with a 128K context through rope scaling.
+    "llama-3.1-70b": ModelConfig(
+        name="llama-3.1-70b", vocab_size=128_256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+        ffn_dim=28_672, max_seq_len=131_072, rope_theta=500_000.0, rope_scaling=_L3_SCALING_8B, norm_eps=1e-5,
+        bos_token_id=128_000, eos_token_ids=(128_001, 128_008, 128_009),
+    ),
     "llama-3.1-8b": ModelConfig(
         name="llama-3.1-8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
         ffn_dim=14_336, max_seq_len=131_072, rope_theta=500_000.0, rope_scaling=_L3_SCALING_8B, norm_eps=1e-5,
