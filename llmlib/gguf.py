@@ -1,0 +1,329 @@
+"""Read a llama.cpp GGUF checkpoint: its config from the metadata, its weights dequantized.
+
+A GGUF file is one self-describing binary: a header of typed key/value metadata (the model's
+shape, its tokenizer, its chat template) followed by a table of tensors and their raw bytes,
+aligned so the whole file can be memory-mapped. We use the ``gguf`` package's ``GGUFReader`` only
+to parse that container (it memory-maps the file and never unpickles anything); the numbers
+themselves are decoded by :mod:`llmlib.quant`, our own dequantizer.
+
+Three things differ from a Hugging Face checkpoint, and :func:`read_gguf` undoes each:
+
+* names: ``blk.3.attn_q.weight`` becomes ``layers.3.attn.wq.weight`` (see :data:`TENSOR_NAMES`);
+* dimension order: the header lists dimensions fastest-first (``ne[0]`` is the row length), the
+  reverse of numpy and torch, so a ``[576, 1536]`` GGUF tensor is a ``[1536, 576]`` torch matrix;
+* rotary layout: llama.cpp rotates *adjacent* pairs (0,1), (2,3), ... of each head, while
+  Hugging Face checkpoints (and llmlib) rotate element ``i`` with ``i + head_dim/2``. The
+  converter therefore permutes the rows of ``W_q`` and ``W_k`` head by head; we permute them back
+  (:func:`unpermute_qk`), which is what makes the logits equal to ``transformers``.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gguf  # the third-party package (absolute import: this module is llmlib.gguf, not gguf)
+
+from .config import ModelConfig, RopeScaling
+from .quant import block_format, dequantize
+
+#: GGUF tensor names (after ``blk.N.``) and their llmlib names (after ``layers.N.``).
+TENSOR_NAMES: dict[str, str] = {
+    "attn_norm": "attn_norm",
+    "attn_q": "attn.wq",
+    "attn_k": "attn.wk",
+    "attn_v": "attn.wv",
+    "attn_output": "attn.wo",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "ffn.w_gate",
+    "ffn_up": "ffn.w_up",
+    "ffn_down": "ffn.w_down",
+    "ffn_gate_inp": "ffn.router",  # mixture of experts: the router
+}
+#: Model-level tensors.
+GLOBAL_NAMES: dict[str, str] = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
+#: Mixture-of-experts weights stored as one 3-D tensor per layer: [n_experts, out, in].
+MERGED_EXPERTS: dict[str, str] = {"ffn_gate_exps": "w_gate", "ffn_up_exps": "w_up", "ffn_down_exps": "w_down"}
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a query or key projection ``[n_heads * hd, D]``.
+
+    Hugging Face's rotary layout pairs row ``i`` of a head with row ``i + hd/2``; llama.cpp's pairs
+    rows ``2i`` and ``2i + 1``. The converter maps one to the other by viewing each head's rows as
+    ``[2, hd/2]`` and transposing to ``[hd/2, 2]``; the inverse views them as ``[hd/2, 2]`` and
+    transposes back. (For keys, ``n_heads`` is the number of key/value heads.)
+    """
+    rows, d = w.shape
+    hd = rows // n_heads
+    return w.reshape(n_heads, hd // 2, 2, d).transpose(1, 2).reshape(rows, d)
+
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The forward permutation (Hugging Face layout -> llama.cpp layout); the inverse of :func:`unpermute_qk`."""
+    rows, d = w.shape
+    hd = rows // n_heads
+    return w.reshape(n_heads, 2, hd // 2, d).transpose(1, 2).reshape(rows, d)
+
+
+# ---- metadata ---------------------------------------------------------------------------------
+
+def open_gguf(path: str | Path) -> "gguf.GGUFReader":
+    """Memory-map a GGUF file, turning the reader's low-level failures into a clear ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # struct/numpy errors from a truncated or non-GGUF file
+        raise ValueError(
+            f"{path}: cannot parse as GGUF ({type(e).__name__}: {e}); the file is truncated, corrupt, or not GGUF"
+        ) from e
+
+
+def metadata(reader: "gguf.GGUFReader", skip_arrays: bool = True) -> dict[str, object]:
+    """The key/value header as plain Python values (long arrays such as the vocabulary skipped)."""
+    out: dict[str, object] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if skip_arrays and field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 64:
+            out[key] = f"<array of {len(field.data)}>"
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _get(reader: "gguf.GGUFReader", key: str, default: object = None, required: bool = False) -> object:
+    field = reader.fields.get(key)
+    if field is None:
+        if required:
+            raise ValueError(f"GGUF metadata is missing the required field {key!r}")
+        return default
+    return field.contents()
+
+
+def _f32_to_float(x: object) -> float:
+    # Metadata floats are float32: 1e-5 is stored as 9.99999974e-06. The shortest decimal that
+    # rounds to the same float32 recovers the value the model's authors wrote.
+    return float(str(np.float32(x)))
+
+
+def _tensor_shape(t: "gguf.ReaderTensor") -> tuple[int, ...]:
+    """The torch shape of a tensor: GGUF lists dimensions fastest-first, so reverse them."""
+    return tuple(int(s) for s in reversed(t.shape.tolist()))
+
+
+def _rope_scaling_from_freqs(freqs: torch.Tensor, theta: float, head_dim: int, name: str) -> RopeScaling:
+    """Recover Llama-3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor (per-frequency divisors).
+
+    llama.cpp stores the scaling as one divisor per frequency rather than as four numbers. We try
+    the published Llama-3 parameters with the largest divisor as ``factor`` and check that they
+    reproduce every divisor; anything else is refused rather than guessed.
+    """
+    factor = float(freqs.max())
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    for orig in (8192,):
+        rs = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=orig)
+        wavelen = 2 * torch.pi / inv
+        low_wl, high_wl = orig / rs.low_freq_factor, orig / rs.high_freq_factor
+        smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        div = torch.where(wavelen > low_wl, torch.full_like(inv, factor),
+                          torch.where(wavelen < high_wl, torch.ones_like(inv), 1.0 / ((1 - smooth) / factor + smooth)))
+        if freqs.numel() == div.numel() and torch.allclose(freqs.double(), div, rtol=1e-3):
+            return rs
+    raise ValueError(f"{name}: rope frequency factors do not match Llama-3 scaling; unsupported rope_freqs")
+
+
+def config_from_gguf(reader: "gguf.GGUFReader", name: str = "gguf") -> ModelConfig:
+    """Build a :class:`ModelConfig` from the ``llama.*`` and ``tokenizer.ggml.*`` metadata."""
+    arch = _get(reader, "general.architecture", required=True)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"general.architecture is {arch!r}; llmlib reads only {', '.join(SUPPORTED_ARCHITECTURES)}")
+    p = f"{arch}."
+    d_model = int(_get(reader, p + "embedding_length", required=True))
+    n_heads = int(_get(reader, p + "attention.head_count", required=True))
+    n_kv = int(_get(reader, p + "attention.head_count_kv", n_heads))
+    head_dim = int(_get(reader, p + "attention.key_length", d_model // n_heads))
+    rot = int(_get(reader, p + "rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise ValueError(f"{p}rope.dimension_count is {rot} but head_dim is {head_dim}; partial rotary is not supported")
+
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = _get(reader, p + "vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = _tensor_shape(tensors["token_embd.weight"])[0]
+    if vocab is None:
+        raise ValueError("cannot tell the vocabulary size: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight")
+
+    theta = _f32_to_float(_get(reader, p + "rope.freq_base", 10_000.0))
+    rope_scaling = None
+    scaling_type = _get(reader, p + "rope.scaling.type")
+    if scaling_type not in (None, "none", "linear") or (scaling_type == "linear" and _get(reader, p + "rope.scaling.factor", 1.0) != 1.0):
+        raise ValueError(f"{p}rope.scaling.type {scaling_type!r} is not supported")
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        freqs = dequantize(t.data, int(t.tensor_type), _tensor_shape(t), t.name)
+        rope_scaling = _rope_scaling_from_freqs(freqs, theta, head_dim, t.name)
+
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = _get(reader, key)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    bos = _get(reader, "tokenizer.ggml.bos_token_id")
+
+    return ModelConfig(
+        name=name,
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(_get(reader, p + "block_count", required=True)),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        ffn_dim=int(_get(reader, p + "feed_forward_length", required=True)),
+        head_dim=head_dim,
+        max_seq_len=int(_get(reader, p + "context_length", 8192)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        norm_eps=_f32_to_float(_get(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        n_experts=int(_get(reader, p + "expert_count", 0) or 0),
+        n_experts_per_token=int(_get(reader, p + "expert_used_count", 0) or 0),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+    )
+
+
+# ---- tensors ----------------------------------------------------------------------------------
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every llmlib parameter name a checkpoint of this config must provide, with its shape."""
+    D, F, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, D), "norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.n_layers):
+        L = f"layers.{i}."
+        shapes |= {
+            L + "attn_norm.weight": (D,),
+            L + "attn.wq.weight": (cfg.n_heads * hd, D),
+            L + "attn.wk.weight": (cfg.n_kv_heads * hd, D),
+            L + "attn.wv.weight": (cfg.n_kv_heads * hd, D),
+            L + "attn.wo.weight": (D, cfg.n_heads * hd),
+            L + "ffn_norm.weight": (D,),
+        }
+        if cfg.n_experts:
+            shapes[L + "ffn.router.weight"] = (cfg.n_experts, D)
+            for e in range(cfg.n_experts):
+                E = f"{L}ffn.experts.{e}."
+                shapes |= {E + "w_gate.weight": (F, D), E + "w_up.weight": (F, D), E + "w_down.weight": (D, F)}
+        else:
+            shapes |= {L + "ffn.w_gate.weight": (F, D), L + "ffn.w_up.weight": (F, D), L + "ffn.w_down.weight": (D, F)}
+    return shapes
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+?)(?:\.(\d+))?\.weight$")
+
+
+def llmlib_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name to llmlib's parameter name (None for names llmlib does not know).
+
+    Merged expert tensors (``ffn_gate_exps``) map to the prefix ``layers.N.ffn.experts.*.w_gate``;
+    :func:`read_gguf` splits them per expert.
+    """
+    if gguf_name.endswith(".weight") and gguf_name[: -len(".weight")] in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name[: -len(".weight")]] + ".weight"
+    m = _BLOCK.match(gguf_name)
+    if not m:
+        return None
+    layer, kind, expert = m.groups()
+    if kind in MERGED_EXPERTS and expert is None:
+        return f"layers.{layer}.ffn.experts.*.{MERGED_EXPERTS[kind]}.weight"
+    if expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down"):  # older per-expert layout
+        return f"layers.{layer}.ffn.experts.{expert}.{TENSOR_NAMES[kind].split('.')[1]}.weight"
+    if expert is None and kind in TENSOR_NAMES:
+        return f"layers.{layer}.{TENSOR_NAMES[kind]}.weight"
+    return None
+
+
+def gguf_name(llmlib_key: str) -> str:
+    """The GGUF name a llmlib parameter comes from (for error messages): the inverse of :func:`llmlib_name`."""
+    key = llmlib_key.removesuffix(".weight")
+    for g, ours in GLOBAL_NAMES.items():
+        if key == ours:
+            return g + ".weight"
+    m = re.match(r"^layers\.(\d+)\.(.+)$", key)
+    if m:
+        layer, rest = m.groups()
+        e = re.match(r"^ffn\.experts\.(\d+)\.(w_gate|w_up|w_down)$", rest)
+        if e:
+            kind = {v: k for k, v in MERGED_EXPERTS.items()}[e.group(2)]
+            return f"blk.{layer}.{kind}.weight[{e.group(1)}]"
+        for g, ours in TENSOR_NAMES.items():
+            if rest == ours:
+                return f"blk.{layer}.{g}.weight"
+    return llmlib_key
+
+
+def read_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a ``llama``-architecture GGUF file into ``(config, state_dict)`` with float32 tensors.
+
+    The state dict uses llmlib's parameter names (see :class:`llmlib.model.Transformer`), with the
+    query and key projections back in Hugging Face's split-half rotary layout. Errors name the
+    offending field or tensor: an unknown architecture or quantization type, a missing, extra or
+    mis-shaped tensor, and a truncated file are all ValueErrors.
+    """
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, name=path.stem)
+    want = expected_shapes(cfg)
+
+    # Check the whole table before decoding anything: a bad file fails fast, with a name.
+    for t in reader.tensors:
+        block_format(int(t.tensor_type), t.name)  # unknown quantization type -> ValueError
+    state: dict[str, torch.Tensor] = {}
+    extra: list[str] = []
+    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not progress, leave=False):
+        if t.name == "rope_freqs.weight":
+            continue  # already folded into cfg.rope_scaling
+        ours = llmlib_name(t.name)
+        if ours is None:
+            extra.append(t.name)
+            continue
+        shape = _tensor_shape(t)
+        try:
+            w = dequantize(t.data, int(t.tensor_type), shape, t.name)  # ValueError on a short buffer
+        except (TypeError, IndexError, OSError) as e:  # a memory map cut short by a truncated file
+            raise ValueError(f"{t.name}: cannot read its data ({e}); the file is truncated or corrupt") from e
+        if ".experts.*." in ours:  # one [E, out, in] tensor -> E matrices
+            for e in range(w.shape[0]):
+                state[ours.replace("*", str(e))] = w[e]
+            continue
+        if ours.endswith("attn.wq.weight") and w.ndim == 2:
+            w = unpermute_qk(w, cfg.n_heads)
+        elif ours.endswith("attn.wk.weight") and w.ndim == 2:
+            w = unpermute_qk(w, cfg.n_kv_heads)
+        state[ours] = w.contiguous()
+
+    if extra:
+        raise ValueError(f"{path.name}: unexpected tensor(s) llmlib does not know: {', '.join(extra[:5])}")
+    missing = [k for k in want if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        named = ", ".join(f"{k} (GGUF {gguf_name(k)})" for k in missing[:5])
+        raise ValueError(f"{path.name}: missing tensor(s) {named}{more}")
+    unexpected = [k for k in state if k not in want]
+    if unexpected:
+        raise ValueError(f"{path.name}: tensor(s) not in the config: {', '.join(unexpected[:5])}")
+    for k, shape in want.items():
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"{path.name}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
+    return cfg, state
