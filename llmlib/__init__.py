@@ -18,7 +18,6 @@ _EXPORTS: dict[str, str] = {
     "get_config": "llmlib.config",
     "fetch_model": "llmlib.fetch",
     "default_model_path": "llmlib.fetch",
-    "costs": "llmlib.costs",
     "GPUS": "llmlib.costs",
     "train_bpe": "llmlib.tokenizer",
     "load_tokenizer": "llmlib.tokenizer",
