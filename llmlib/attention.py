@@ -1,0 +1,221 @@
+"""Attention: every token mixes in the values of the earlier tokens whose keys match its query.
+
+Three implementations of the same function, all taking ``q [B, H, T, hd]`` and ``k, v [B, Hkv, S, hd]``
+(grouped-query attention: ``H`` query heads share ``Hkv`` key/value heads, any ratio ``H / Hkv``):
+
+* :func:`naive_attention` — the textbook formula, building the full ``T x S`` score grid with an
+  explicit causal mask. The reference the others are checked against, and the one that can hand
+  back the attention probabilities for plotting.
+* :func:`sdpa_attention` — PyTorch's fused ``F.scaled_dot_product_attention``; the production path.
+* :func:`tiled_attention` — the FlashAttention idea (Dao et al.) written in plain PyTorch: walk the
+  keys in tiles, keep a running maximum and a running softmax denominator per query ("online
+  softmax"), and never hold more than one ``block_q x block_k`` tile of scores at a time.
+
+Masks: ``mask=None`` means causal, aligned to the end (query ``i`` of ``T`` sits at position
+``S - T + i`` among the ``S`` keys). Otherwise ``mask`` is a bool tensor broadcastable to
+``[B, 1, T, S]``, True where a query may attend, and is used as given.
+
+:class:`Attention` is the layer: one fused projection to q, k, v; RoPE on q and k; the optional KV
+cache hook (``cache.update``); attention; the output projection ``wo``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmlib.config import ModelConfig
+from llmlib.rope import apply_rope
+
+
+# ---- the three attention functions ---------------------------------------------------------
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Expand ``[B, Hkv, S, hd]`` to ``[B, Hkv * n_rep, S, hd]``: each KV head serves ``n_rep`` query heads."""
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=1)
+
+
+def causal_mask(T: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[T, S]`` bool, True where query ``i`` (at position ``S - T + i``) may see key ``j``: ``j <= S - T + i``."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B,H,T,hd] and k, v [B,Hkv,S,hd]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
+    return q.shape[1] // k.shape[1]
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+    scale: float | None = None, return_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(hd) + mask) v, with the whole ``[B, H, T, S]`` grid in memory.
+
+    ``scale`` defaults to ``1 / sqrt(head_dim)``; the book passes ``scale=1.0`` to show what goes
+    wrong without it. With ``return_probs`` also returns the attention probabilities.
+    """
+    n_rep = _check_shapes(q, k, v)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    T, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, S]: the grid the other two avoid
+    allowed = causal_mask(T, S, q.device) if mask is None else mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = probs @ v
+    return (out, probs) if return_probs else out
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The production path: PyTorch's fused kernel, GQA handled inside it (no copies of k and v)."""
+    T, S = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        if T == S or T == 1:  # square causal grid; or one query that may see every key
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        mask = causal_mask(T, S, q.device)  # SDPA's is_causal aligns to the top-left; we need bottom-right
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def tiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+    block_q: int = 64, block_k: int = 64,
+) -> torch.Tensor:
+    """Flash-style attention in PyTorch: exact softmax attention without the ``T x S`` grid.
+
+    For each tile of queries, keys and values stream past in tiles. Per query we keep the largest
+    score seen so far ``m``, the softmax denominator ``l`` relative to ``m``, and the unnormalised
+    output ``acc``. When a new tile raises the maximum, the old ``l`` and ``acc`` are rescaled by
+    ``exp(m_old - m_new)``, which makes the result identical to a softmax over all keys at once.
+    Peak extra memory is one ``block_q x block_k`` score tile per head instead of ``T x S``.
+    Causal tiles that lie entirely above the diagonal are skipped, not computed and masked.
+    """
+    n_rep = _check_shapes(q, k, v)
+    B, H, T, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(hd)
+    # Group the query heads by the KV head they share: [B, Hkv, n_rep, T, hd]; k/v broadcast over n_rep.
+    qg = q.view(B, Hkv, n_rep, T, hd)
+    kg, vg = k.unsqueeze(2), v.unsqueeze(2)
+    if mask is not None:
+        mask = mask.expand(B, 1, T, S).unsqueeze(2)  # [B, 1, 1, T, S], a view: no copy
+    offset = S - T  # causal alignment: query i sits at key position offset + i
+    out = torch.empty_like(qg)
+    for q0 in range(0, T, block_q):
+        q1 = min(q0 + block_q, T)
+        qt = qg[..., q0:q1, :] * scale
+        m = torch.full((*qt.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
+        k_end = S if mask is not None else min(S, offset + q1)  # keys past the last query's position never count
+        for k0 in range(0, k_end, block_k):
+            k1 = min(k0 + block_k, k_end)
+            s = (qt @ kg[..., k0:k1, :].transpose(-2, -1)).float()  # one [bq, bk] tile per head
+            if mask is not None:
+                s = s.masked_fill(~mask[..., q0:q1, k0:k1], float("-inf"))
+            elif k1 > offset + q0:  # this tile crosses the diagonal
+                qpos = torch.arange(q0, q1, device=q.device)[:, None] + offset
+                kpos = torch.arange(k0, k1, device=q.device)[None, :]
+                s = s.masked_fill(kpos > qpos, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing visible yet
+            p = torch.exp(s - m_safe)
+            correction = torch.exp(m - m_safe)
+            l = l * correction + p.sum(dim=-1, keepdim=True)
+            acc = acc * correction + p.to(v.dtype) @ vg[..., k0:k1, :]
+            m = m_new
+        out[..., q0:q1, :] = (acc / l).to(q.dtype)
+    return out.view(B, H, T, hd)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "sdpa": sdpa_attention,
+    "naive": naive_attention,
+    "tiled": tiled_attention,
+}
+
+
+# ---- fused projections that still load and save under the contract's names ------------------
+
+def register_fused_linear(module: nn.Module, fused: str, parts: list[tuple[str, int]]) -> None:
+    """Let ``module.<fused>.weight`` (one matmul) appear in state dicts as separate ``<part>.weight``.
+
+    Multiplying by one stacked matrix is one kernel launch instead of two or three, which matters
+    for decoding a small model on a CPU where per-call overhead is a real share of a token's time.
+    On load, the separate tensors (the names every checkpoint and ``llmlib.model`` documents) are
+    concatenated; on save, the fused tensor is split back. ``parts`` is ``[(name, n_rows), ...]``.
+    """
+    names = [n for n, _ in parts]
+    sizes = [r for _, r in parts]
+
+    def on_load(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: ANN001
+        keys = [f"{prefix}{n}.weight" for n in names]
+        if all(key in state_dict for key in keys):
+            for key, rows in zip(keys, sizes):
+                if state_dict[key].shape[0] != rows:
+                    raise ValueError(f"tensor {key} has shape {tuple(state_dict[key].shape)}, expected {rows} rows")
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(key) for key in keys], dim=0)
+
+    def on_save(mod, state_dict, prefix, local_metadata):  # noqa: ANN001
+        key = f"{prefix}{fused}.weight"
+        if key in state_dict:
+            for n, w in zip(names, state_dict.pop(key).split(sizes, dim=0)):
+                state_dict[f"{prefix}{n}.weight"] = w
+
+    module.register_load_state_dict_pre_hook(on_load)
+    module.register_state_dict_post_hook(on_save)
+
+
+# ---- the layer ----------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE and a pluggable KV cache.
+
+    State-dict names: ``wq``, ``wk``, ``wv``, ``wo`` (``.weight``). Internally q, k and v come out
+    of one fused matrix ``wqkv`` (see :func:`register_fused_linear`).
+
+    The cache hook: with ``cache`` given, after computing the new k and v (RoPE already applied to
+    k) the layer calls ``cache.update(layer_idx, k, v, positions)`` and attends over whatever keys
+    and values the cache hands back, under the mask it hands back. A static cache, a paged cache or
+    a test double all plug in here; the layer never knows which.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.splits = [q_rows, kv_rows, kv_rows]
+        self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=False)
+        self.wo = nn.Linear(q_rows, cfg.d_model, bias=False)
+        self.backend = "sdpa"  # or "naive" / "tiled": same numbers, for the book and the tests
+        register_fused_linear(self, "wqkv", [("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)])
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, D] -> q [B, H, T, hd], k and v [B, Hkv, T, hd], with RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        positions: torch.Tensor | None = None, cache: Any = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        mask = None  # None: plain causal over these T tokens
+        if cache is not None:
+            k, v, mask = cache.update(self.layer_idx, k, v, positions)
+        out = ATTENTION_BACKENDS[self.backend](q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

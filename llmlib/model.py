@@ -1,0 +1,129 @@
+"""The model: embed, a stack of blocks, a final norm, the LM head.
+
+``Transformer(cfg)(ids)`` maps token ids ``[B, T]`` to logits ``[B, T, vocab]``. Its state-dict
+names are the contract every loader produces (see :func:`expected_shapes`), with Q and K in the
+Hugging Face "split-half" RoPE layout. The KV cache plugs in through the ``cache`` argument: each
+attention layer calls ``cache.update(layer, k_new, v_new, positions)`` and attends over what comes
+back (:class:`llmlib.attention.Attention`). Without a cache the forward pass is plain causal.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmlib.block import Block, RMSNorm
+from llmlib.config import ModelConfig
+from llmlib.embedding import TokenEmbedding, unembed
+from llmlib.rope import RotaryTables
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder (dense SwiGLU or Mixtral-style experts), tied or untied LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"Transformer expects a ModelConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model)
+        self.rope = RotaryTables.from_config(cfg)  # cos/sin for every position, computed once
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, vocab] (``[B, 1, vocab]`` with ``last_only``, which skips the
+        LM head for all but the last position: a prefill only needs the next token's scores).
+
+        ``positions`` [B, T] default to ``0..T-1`` in every row; with a KV cache the caller passes the
+        absolute positions of the new tokens.
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be [batch, seq_len], got shape {tuple(ids.shape)}")
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        x = self.embed(ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, cache)
+        if last_only:
+            x = x[:, -1:]
+        return unembed(self.norm(x), self.lm_head_weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_attention_backend(self, name: str) -> "Transformer":
+        """Switch every layer to ``"sdpa"`` (default), ``"naive"`` or ``"tiled"`` attention."""
+        from llmlib.attention import ATTENTION_BACKENDS
+
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; one of {sorted(ATTENTION_BACKENDS)}")
+        for layer in self.layers:
+            layer.attn.backend = name
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must supply for ``cfg``, with its shape, in llmlib's names."""
+    D, F, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (D,)
+        shapes[p + "attn.wq.weight"] = (cfg.n_heads * hd, D)
+        shapes[p + "attn.wk.weight"] = (cfg.n_kv_heads * hd, D)
+        shapes[p + "attn.wv.weight"] = (cfg.n_kv_heads * hd, D)
+        shapes[p + "attn.wo.weight"] = (D, cfg.n_heads * hd)
+        shapes[p + "ffn_norm.weight"] = (D,)
+        ffns = [p + "ffn."]
+        if cfg.n_experts:
+            shapes[p + "ffn.router.weight"] = (cfg.n_experts, D)
+            ffns = [f"{p}ffn.experts.{e}." for e in range(cfg.n_experts)]
+        for f in ffns:
+            shapes[f + "w_gate.weight"] = (F, D)
+            shapes[f + "w_up.weight"] = (F, D)
+            shapes[f + "w_down.weight"] = (D, F)
+    shapes["norm.weight"] = (D,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    return shapes
+
+
+def random_model(cfg: ModelConfig, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 seed: int = 0, std: float = 0.02) -> Transformer:
+    """A model of ``cfg``'s shape with random weights, built directly on ``device`` in ``dtype``.
+
+    For benchmarks: speed does not depend on what the weights are, and building on a meta device
+    first skips a slow CPU initialisation of tensors that would be overwritten anyway.
+    """
+    from llmlib.loading import resolve_device_dtype
+
+    device, dtype = resolve_device_dtype(device, dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    model.rope.reset()
+    return model.eval()
