@@ -125,5 +125,5 @@ def random_model(cfg: ModelConfig, device: str | torch.device | None = None, dty
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=g)
-    model.rope.reset()
+    model.rope.reset(device)
     return model.eval()

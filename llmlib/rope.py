@@ -92,13 +92,14 @@ class RotaryTables(nn.Module):
         ang = torch.cat([ang, ang], dim=-1)
         return ang.cos(), ang.sin()
 
-    def reset(self) -> None:
-        """Recompute the tables in float32 on the buffers' device (after ``to_empty`` or a meta init)."""
-        device = self.cos.device
+    def reset(self, device: torch.device | str | None = None) -> None:
+        """Recompute the float32 tables on ``device`` (default: where they are now), e.g. after the
+        model was built on the ``meta`` device, where buffers hold no data."""
+        if device is None:
+            device = self.cos.device
         with torch.device("cpu"):
             cos, sin = self._tables()
-        self.cos = cos.to(device=device, dtype=self.cos.dtype)
-        self.sin = sin.to(device=device, dtype=self.sin.dtype)
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [B, T], shaped ``[B, 1, T, head_dim]`` to broadcast over heads."""
