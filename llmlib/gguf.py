@@ -271,18 +271,19 @@ def gguf_name(llmlib_key: str) -> str:
     return llmlib_key
 
 
-def read_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: str | Path, progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a ``llama``-architecture GGUF file into ``(config, state_dict)`` with float32 tensors.
 
     The state dict uses llmlib's parameter names (see :class:`llmlib.model.Transformer`), with the
     query and key projections back in Hugging Face's split-half rotary layout. Errors name the
     offending field or tensor: an unknown architecture or quantization type, a missing, extra or
-    mis-shaped tensor, and a truncated file are all ValueErrors.
+    mis-shaped tensor, and a truncated file are all ValueErrors. ``progress=None`` shows a progress
+    bar only for files over a gigabyte (a small model decodes in a second or two).
     """
-    from tqdm.auto import tqdm
-
     path = Path(path)
     reader = open_gguf(path)
+    if progress is None:
+        progress = path.stat().st_size > 1 << 30
     cfg = config_from_gguf(reader, name=path.stem)
     want = expected_shapes(cfg)
 
@@ -291,7 +292,12 @@ def read_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
         block_format(int(t.tensor_type), t.name)  # unknown quantization type -> ValueError
     state: dict[str, torch.Tensor] = {}
     extra: list[str] = []
-    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not progress, leave=False):
+    tensors = reader.tensors
+    if progress:
+        from tqdm import tqdm  # plain tqdm: tqdm.auto warns in notebooks without ipywidgets
+
+        tensors = tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False)
+    for t in tensors:
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg.rope_scaling
         ours = llmlib_name(t.name)
