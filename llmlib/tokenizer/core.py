@@ -173,6 +173,26 @@ class Tokenizer:
             extend(ids)
         return out
 
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Encode arbitrary bytes: valid UTF-8 runs as text, each invalid byte as its byte token.
+
+        ``decode_bytes(encode_bytes(b)) == b`` for every byte string (except bytes the
+        vocabulary has no token for, see ``missing_bytes``).
+        """
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        out: list[int] = []
+        data = bytes(data)
+        while data:
+            try:
+                out.extend(self.encode_ordinary(data.decode("utf-8")))
+                break
+            except UnicodeDecodeError as e:
+                out.extend(self.encode_ordinary(data[:e.start].decode("utf-8")))
+                out.extend(i for i in self._byte_ids[data[e.start]:data[e.start] + 1] if i is not None)
+                data = data[e.start + 1:]
+        return out
+
     def encode(
         self,
         text: str,
@@ -228,7 +248,7 @@ class Tokenizer:
             return b"".join([table[i] for i in ids])  # type: ignore[misc]
         except (IndexError, TypeError):
             bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < len(table) or table[i] is None]
-            raise ValueError(f"ids contain values that are not token ids: {bad[:5]}") from None
+            raise ValueError(f"ids: {bad[:5]} are not in this vocabulary (size {len(table)})") from None
 
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
         """Decode to text; bytes that are not valid UTF-8 become U+FFFD (``errors="replace"``)."""

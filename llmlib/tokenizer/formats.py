@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmlib.tokenizer.core import Tokenizer
-from llmlib.tokenizer.pretokenize import GPT2, GPT4, LLAMA3, SMOLLM2, PATTERNS
+from llmlib.tokenizer.pretokenize import GPT2, GPT4, LLAMA3, PATTERNS, SMOLLM2, from_onig, to_onig
 from llmlib.tokenizer.train import bytes_to_unicode
 
 # tiktoken files carry neither pattern nor special tokens; these are tiktoken's own values.
@@ -66,7 +66,8 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
 
     The pre-tokenizer is written as ``Split(regex, Isolated)`` followed by
     ``ByteLevel(use_regex=False)``, so ``tokenizers`` cuts the text with the same regex and
-    only then maps bytes to characters, exactly our order of work.
+    only then maps bytes to characters, exactly our order of work. The regex is rewritten where
+    Oniguruma (the engine inside ``tokenizers``) would read it differently (:func:`to_onig`).
     """
     path = Path(path)
     if path.suffix != ".json":
@@ -83,7 +84,7 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": to_onig(tok.pattern)}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ]},
         "post_processor": None,
@@ -144,7 +145,7 @@ def _hf_pattern(pre: Any, where: str) -> str:
             pat = split.get("pattern", {})
             if split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in pat:
                 raise ValueError(f"{where}: only Split(Regex, behavior='Isolated') is supported, got {split}")
-            return pat["Regex"]
+            return from_onig(pat["Regex"])
         if kinds == ["Digits", "ByteLevel"] and items[0].get("individual_digits") and bytelevel(items[1]):
             return SMOLLM2
     raise ValueError(f"{where}: unsupported pre_tokenizer {json.dumps(pre)[:200]}")

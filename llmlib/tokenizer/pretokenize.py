@@ -61,6 +61,25 @@ def pattern_name(regex_str: str) -> str | None:
     return None
 
 
+# Hugging Face ``tokenizers`` runs patterns with Oniguruma in Ruby syntax, where ``X{1,3}+``
+# is not possessive but means "(X{1,3}) one or more times" -- it would glue "1814" back into one
+# piece. An atomic group says the same thing in both dialects.
+_POSSESSIVE_INTERVAL = regex.compile(r"(\\p\{\w+\}|\\[a-zA-Z]|\.|\[(?:\\.|[^\]\\])*\])(\{\d+(?:,\d*)?\})\+")
+
+
+def to_onig(pattern: str) -> str:
+    """Rewrite a pattern so Oniguruma (``tokenizers``) reads it as ``regex`` does."""
+    return _POSSESSIVE_INTERVAL.sub(lambda m: f"(?>{m.group(1)}{m.group(2)})", resolve_pattern(pattern))
+
+
+def from_onig(pattern: str) -> str:
+    """Inverse of :func:`to_onig` for the named patterns (so a saved file reloads as ``"gpt4"``)."""
+    for pat in PATTERNS.values():
+        if to_onig(pat) == pattern:
+            return pat
+    return pattern
+
+
 @functools.lru_cache(maxsize=32)
 def compile_pattern(pattern: str) -> "regex.Pattern[str]":
     """Compile (once) a pattern name or regex string; a bad regex is a ValueError."""
