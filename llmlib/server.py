@@ -103,15 +103,25 @@ class EngineClient:
         sent_text, sent_tokens = "", 0
         agen = self.engine.stream(prompt_ids, params, request_id=request_id)
         try:
-            async for out in agen:
-                text, n, reason = _read_output(out)
-                # Engines report either the text so far or just the new piece; handle both.
-                if text.startswith(sent_text) and n >= sent_tokens and getattr(out, "cumulative", True):
+            while True:
+                try:
+                    out = await agen.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as e:
+                    if type(e).__name__ == "QueueFull":  # llmlib.engine.QueueFull, at submission
+                        raise QueueFullError(str(e)) from e
+                    if isinstance(e, (ValueError, TypeError)) and sent_tokens == 0:
+                        raise _bad(f"the engine refused the request: {e}") from e
+                    raise
+                if hasattr(out, "delta_token_ids"):  # llmlib.engine.RequestOutput carries the step's delta
+                    delta_text, delta_n = out.delta_text, len(out.delta_token_ids)
+                    reason = out.finish_reason
+                else:  # anything reporting cumulative text and ids
+                    text, n, reason = _read_output(out)
                     delta_text, delta_n = text[len(sent_text):], n - sent_tokens
-                    sent_text, sent_tokens = text, n
-                else:
-                    delta_text, delta_n = text, n
-                    sent_text, sent_tokens = sent_text + text, sent_tokens + n
+                    sent_text = text
+                sent_tokens += delta_n
                 yield Delta(delta_text, delta_n, _finish_reason(reason))
                 if reason is not None:
                     return
@@ -317,7 +327,7 @@ class RequestParser:
                            "prompt", "prompt_too_long")
             ids = self._encode(prompt, "prompt")
             bos = getattr(self.client.tokenizer, "bos_id", None)
-            if getattr(self.client, "add_bos", False) and bos is not None:
+            if getattr(self.client.tokenizer, "add_bos", False) and bos is not None:
                 ids = [bos] + ids
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = getattr(self.client.tokenizer, "vocab_size", None)
