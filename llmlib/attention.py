@@ -219,3 +219,32 @@ class Attention(nn.Module):
             k, v, mask = cache.update(self.layer_idx, k, v, positions)
         out = ATTENTION_BACKENDS[self.backend](q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+# ---- looking inside: attention probabilities of a real model ----------------------------------
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, ids: torch.Tensor, layers: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """Attention probabilities ``[B, H, T, T]`` of the chosen layers for a cache-free forward pass.
+
+    The production path (SDPA) never exposes its probabilities, so a forward pre-hook catches each
+    chosen layer's input, recomputes its q and k with the layer's own weights, and asks
+    :func:`naive_attention` for the grid. The model's outputs are unchanged.
+    """
+    layers = list(range(len(model.layers))) if layers is None else layers
+    maps: dict[int, torch.Tensor] = {}
+
+    def hook_for(i: int):
+        def hook(attn: Attention, args: tuple) -> None:
+            x, cos, sin = args[:3]
+            q, k, v = attn.project_qkv(x, cos, sin)
+            maps[i] = naive_attention(q.float(), k.float(), v.float(), return_probs=True)[1]
+        return hook
+
+    handles = [model.layers[i].attn.register_forward_pre_hook(hook_for(i)) for i in layers]
+    try:
+        model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return maps
