@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import os
 from pathlib import Path
@@ -241,15 +242,25 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """Read the tokenizer stored in a GGUF model file's metadata (llama.cpp's "gpt2" BPE type).
 
     Uses the ``gguf`` package's reader. Tokens are byte-level strings like in tokenizer.json;
-    control and user-defined tokens (token_type 3 and 4) are the special tokens.
+    control and user-defined tokens (token_type 3 and 4) are the special tokens. The reader
+    walks ~150k small metadata values (seconds), so the parsed fields are cached per file.
     """
+    p = Path(path)
+    st = p.stat()
+    vocab, merges, specials, pre, bos, eos, template = _read_gguf_tokenizer(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    pattern, ignore_merges = GGUF_PRE[pre]
+    return Tokenizer(vocab, merges, pattern, specials, ignore_merges=ignore_merges,
+                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
     from gguf import GGUFReader
 
-    p = Path(path)
     try:
-        reader = GGUFReader(str(p))
+        reader = GGUFReader(path)
     except Exception as e:  # the reader raises assorted errors on foreign or truncated files
-        raise ValueError(f"{str(p)!r}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path!r}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
@@ -257,18 +268,17 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 
     kind = field("tokenizer.ggml.model")
     if kind is None:
-        raise ValueError(f"{str(p)!r}: GGUF file has no tokenizer (tokenizer.ggml.model missing)")
+        raise ValueError(f"{path!r}: GGUF file has no tokenizer (tokenizer.ggml.model missing)")
     if kind != "gpt2":
-        raise ValueError(f"{str(p)!r}: GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise ValueError(f"{path!r}: GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only)")
     pre = field("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE:
-        raise ValueError(f"{str(p)!r}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE)}")
-    pattern, ignore_merges = GGUF_PRE[pre]
+        raise ValueError(f"{path!r}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE)}")
     tokens: list[str] = field("tokenizer.ggml.tokens") or []
     types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges_txt: list[str] = field("tokenizer.ggml.merges") or []
     if len(types) != len(tokens):
-        raise ValueError(f"{str(p)!r}: {len(tokens)} tokens but {len(types)} token types")
+        raise ValueError(f"{path!r}: {len(tokens)} tokens but {len(types)} token types")
 
     dec = _byte_decoder()
     vocab: dict[int, bytes] = {}
@@ -277,19 +287,18 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
         if ty in (3, 4):  # CONTROL, USER_DEFINED
             specials[t] = i
         else:
-            vocab[i] = _to_bytes(t, dec, f"{str(p)!r} token {i}")
+            vocab[i] = _to_bytes(t, dec, f"{path!r} token {i}")
     ids = {b: i for i, b in vocab.items()}
     merges = []
     for k, m in enumerate(merges_txt):
         left, _, right = m.partition(" ")
         try:
-            merges.append((ids[_to_bytes(left, dec, str(p))], ids[_to_bytes(right, dec, str(p))]))
+            merges.append((ids[_to_bytes(left, dec, path)], ids[_to_bytes(right, dec, path)]))
         except KeyError:
-            raise ValueError(f"{str(p)!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
+            raise ValueError(f"{path!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
     bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
-    return Tokenizer(vocab, merges, pattern, specials, ignore_merges=ignore_merges,
-                     bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
-                     chat_template=field("tokenizer.chat_template"), name=p.name)
+    return (vocab, merges, specials, pre, None if bos is None else int(bos), None if eos is None else int(eos),
+            field("tokenizer.chat_template"))
 
 
 __all__ = ["load_tokenizer", "save_tokenizer", "load_hf_json", "load_tiktoken", "load_gguf", "PATTERNS"]
