@@ -163,8 +163,9 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: 
     b, t = prompt.shape
     dev = prompt.device
     dtype = next(model.parameters()).dtype
-    cache = StaticKVCache(model.config, b, t + max_new_tokens, device=dev, dtype=dtype)
-    dec = GraphedDecoder(model, cache, batch_sizes or (b,), enabled=use_graphs)
+    sizes = tuple(batch_sizes or (b,))
+    cache = StaticKVCache(model.config, max(b, *sizes), t + max_new_tokens, device=dev, dtype=dtype)
+    dec = GraphedDecoder(model, cache, sizes, enabled=use_graphs)
     dec.capture()  # before the prefill: the warm-up writes slot 0, which the prefill then overwrites
     positions = torch.arange(t, device=dev).expand(b, t)
     logits = model(prompt, positions, cache)

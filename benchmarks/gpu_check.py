@@ -1,0 +1,403 @@
+"""The GPU check: llmlib's GPU tests, then the benchmarks chapter 11 quotes, written as JSON.
+
+Run on a CUDA machine over a copy of the repository, with no network:
+
+    python benchmarks/gpu_check.py --out results/gpu          # `make gpu-check`
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu   # CI, on the CPU, in well under a minute
+
+Sections (each writes the JSON file again when it finishes, so a run cut short keeps what it did):
+
+1. ``tests``: ``pytest -m gpu tests/test_gpu.py`` (they skip without CUDA).
+2. ``copy_bandwidth``: a large device-to-device copy, the practical ceiling for decode.
+3. ``smollm2_batch1``: SmolLM2-135M in bfloat16 at batch 1, greedy: llmlib eager, llmlib with CUDA
+   graphs, and ``transformers``' ``generate`` on the same GPU with the same weights. The real GGUF
+   weights when the file is in the cache, else random weights of the same shape (speed does not
+   depend on the values).
+4. ``llama8b_batch1``: a Llama-3.1-8B-shaped model with random bfloat16 weights at batch 1: tokens/s
+   and model bandwidth utilisation (bytes a decode step must read, from ``llmlib.roofline``, over the
+   measured time) against the measured copy bandwidth and the datasheet. Goal: at least 70%.
+5. ``engine_throughput``: the batching engine on 256 requests, prompt and output lengths uniform in
+   100..1024 (EOS ignored), random weights of the chosen shape.
+
+``--dry-run`` does all of it on the CPU with tiny shapes (2 layers, 8 requests, short lengths) and
+writes the same schema with ``"dry_run": true`` to ``gpu_check.dry_run.json``, so the real results
+file is never overwritten by a rehearsal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a plain copy of the tree, installed or not
+
+from llmlib import roofline  # noqa: E402
+from llmlib.config import ModelConfig, get_config  # noqa: E402
+from llmlib.cuda_graphs import GraphedDecoder, StaticKVCache  # noqa: E402
+from llmlib.device import Timer, choose, copy_bandwidth, machine_info, synchronize  # noqa: E402
+
+SCHEMA = "llmlib.gpu_check/1"
+
+# The shapes the dry run uses instead of the real ones: same code, seconds on a CPU.
+TINY = ModelConfig(name="tiny-2layer", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                   max_seq_len=256, tie_embeddings=True, eos_token_ids=(2,))
+TINY_UNTIED = TINY.replace(name="tiny-2layer-untied", tie_embeddings=False)
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+def random_model(cfg: ModelConfig, device: Any, dtype: torch.dtype, seed: int = 0):
+    from llmlib.model import random_model as build
+
+    return build(cfg, device=device, dtype=dtype, seed=seed)
+
+
+def to_transformers(model: Any):
+    """The same weights in ``transformers``' LlamaForCausalLM (both use the split-half RoPE layout)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.config
+    if cfg.rope_scaling is not None or cfg.n_experts:
+        raise ValueError("to_transformers handles dense models without RoPE scaling")
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+                         bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None)
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    parts = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
+             "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+             "ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj", "ffn.w_down": "mlp.down_proj"}
+    state = {}
+    for k, v in model.state_dict().items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", k)
+        if m:
+            state[f"model.layers.{m[1]}.{parts[m[2]]}.weight"] = v
+        elif k in names:
+            state[names[k]] = v
+    with torch.device(model.device):  # small models only: built in place, then overwritten
+        hf = LlamaForCausalLM(hf_cfg).to(dtype=model.dtype)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping to transformers failed: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+# ---- batch-1 decode timing ---------------------------------------------------------------------------
+
+@torch.inference_mode()
+def time_llmlib_decode(model: Any, prompt: torch.Tensor, new_tokens: int, use_graphs: bool, reps: int) -> dict:
+    """Median prefill time and decode time per token at batch 1, greedy, with a static cache.
+
+    The graphs are captured once, outside the timing; each repetition re-runs the prefill into the
+    same cache (the mask hides whatever the last repetition left beyond the current position).
+    """
+    dev, t = prompt.device, prompt.shape[1]
+    cache = StaticKVCache(model.config, 1, t + new_tokens, device=dev, dtype=model.dtype)
+    t0 = time.perf_counter()
+    dec = GraphedDecoder(model, cache, (1,), enabled=use_graphs).capture()
+    capture_s = time.perf_counter() - t0
+    positions = torch.arange(t, device=dev)[None]
+    prefill, decode, tokens = [], [], None
+    for r in range(reps + 1):  # the first repetition warms up (allocator, cuBLAS heuristics)
+        with Timer(dev) as tp:
+            nxt = model(prompt, positions, cache)[:, -1].argmax(-1, keepdim=True)
+        out = [nxt]
+        pos = torch.full((1, 1), t, dtype=torch.long, device=dev)
+        with Timer(dev) as td:
+            for _ in range(new_tokens - 1):
+                nxt = dec(nxt, pos)[:, -1].argmax(-1, keepdim=True)
+                out.append(nxt)
+                pos += 1
+        if r:
+            prefill.append(tp.seconds)
+            decode.append(td.seconds / (new_tokens - 1))
+        tokens = torch.cat(out, 1)[0].tolist()
+    p, d = statistics.median(prefill), statistics.median(decode)
+    return {"prefill_s": p, "decode_s_per_token": d, "decode_tok_s": 1 / d,
+            "tok_s": new_tokens / (p + d * (new_tokens - 1)), "graphs": bool(dec.enabled and dec.graphs),
+            "capture_s": capture_s, "tokens": tokens}
+
+
+@torch.inference_mode()
+def time_transformers(hf: Any, prompt: torch.Tensor, new_tokens: int, reps: int) -> dict:
+    dev = prompt.device
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
+
+    def run(n: int) -> tuple[float, list[int]]:
+        with Timer(dev) as tm:
+            out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+        return tm.seconds, out[0, prompt.shape[1]:].tolist()
+
+    run(new_tokens)  # warm-up
+    firsts = [run(1)[0] for _ in range(reps)]
+    totals, tokens = [], None
+    for _ in range(reps):
+        s, tokens = run(new_tokens)
+        totals.append(s)
+    p, total = statistics.median(firsts), statistics.median(totals)
+    d = (total - p) / (new_tokens - 1)
+    return {"prefill_s": p, "decode_s_per_token": d, "decode_tok_s": 1 / d, "tok_s": new_tokens / total,
+            "tokens": tokens}
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share (bf16 rounding may split a near-tie later on)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- the sections --------------------------------------------------------------------------------------
+
+class Check:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.dry = args.dry_run
+        self.place = choose("cpu" if self.dry else args.device, "float32" if self.dry else args.dtype)
+        if not self.dry and not self.place.is_cuda:
+            raise SystemExit("gpu_check: no CUDA GPU is visible; use --dry-run to rehearse on the CPU")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / ("gpu_check.dry_run.json" if self.dry else "gpu_check.json")
+        info = machine_info(self.place.device)
+        self.report: dict[str, Any] = {
+            "schema": SCHEMA, "dry_run": self.dry, "date": info["date"], "machine": info,
+            "device": str(self.place.device), "dtype": str(self.place.dtype).removeprefix("torch."),
+            "sections": {},
+        }
+        self.t_start = time.perf_counter()
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = time.perf_counter() - self.t_start
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=2, default=str))
+        tmp.replace(self.path)
+
+    def section(self, name: str, fn: Callable[[], dict]) -> None:
+        if self.args.only and name not in self.args.only:
+            return
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = fn()
+            res["ok"] = res.get("ok", True)
+        except Exception as e:  # noqa: BLE001 - one failing section must not lose the others
+            traceback.print_exc()
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        res["seconds"] = time.perf_counter() - t0
+        self.report["sections"][name] = res
+        self.save()
+        print(json.dumps({k: v for k, v in res.items() if k not in ("tokens", "transformers_tokens")},
+                         default=str)[:600], flush=True)
+        if self.place.is_cuda:
+            torch.cuda.empty_cache()
+
+    # 1
+    def tests(self) -> dict:
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_gpu.py")]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.args.tests_timeout)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        summary = next((ln for ln in reversed(tail) if re.search(r"\b(passed|failed|skipped|error)", ln)), "")
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+        return {"ok": proc.returncode == 0, "command": " ".join(cmd[1:]), "returncode": proc.returncode,
+                "summary": summary, **counts, "tail": tail[-15:] if proc.returncode else []}
+
+    # 2
+    def bandwidth(self) -> dict:
+        nbytes = (64 << 20) if self.dry else (4 << 30)
+        bw = copy_bandwidth(self.place.device, nbytes=nbytes, reps=5)
+        self.copy_bw = bw
+        return {"copy_bandwidth_GBps": bw / 1e9, "bytes_copied": nbytes, "counting": "read + write"}
+
+    # 3
+    def smollm2(self) -> dict:
+        dev, dtype = self.place.device, self.place.dtype
+        weights = "random"
+        if self.dry:
+            cfg = TINY
+            model = random_model(cfg, dev, dtype)
+        else:
+            from llmlib.fetch import default_model_path
+
+            gguf = default_model_path()
+            if gguf.exists():
+                from llmlib.loading import load_model
+
+                model, weights = load_model(gguf, device=dev, dtype=dtype), "gguf Q4_1 dequantized"
+            else:
+                model = random_model(get_config("smollm2-135m"), dev, dtype)
+            cfg = model.config
+        p_len, n_new, reps = (8, 16, 2) if self.dry else (self.args.prompt_len, self.args.new_tokens, self.args.reps)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, cfg.vocab_size, (1, p_len), generator=g).to(dev)
+        eager = time_llmlib_decode(model, prompt, n_new, use_graphs=False, reps=reps)
+        graphs = time_llmlib_decode(model, prompt, n_new, use_graphs=self.place.is_cuda, reps=reps)
+        res: dict[str, Any] = {"model": cfg.name, "weights": weights, "batch": 1, "prompt_tokens": p_len,
+                               "new_tokens": n_new, "reps": reps, "llmlib_eager": _strip(eager),
+                               "llmlib_graphs": _strip(graphs),
+                               "graphs_match_eager": graphs["tokens"] == eager["tokens"]}
+        try:
+            hf = to_transformers(model)
+            ref = time_transformers(hf, prompt, n_new, reps)
+            res["transformers"] = _strip(ref)
+            res["transformers_tokens_agree"] = _agree(ref["tokens"], graphs["tokens"])
+            res["speedup_vs_transformers"] = graphs["tok_s"] / ref["tok_s"]
+            del hf
+        except Exception as e:  # noqa: BLE001
+            res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
+        return res
+
+    # 4
+    def llama8b(self) -> dict:
+        dev, dtype = self.place.device, self.place.dtype
+        if self.dry:
+            cfg = TINY_UNTIED.replace(name="tiny-2layer-untied (8B stand-in)")
+            p_len, n_new, reps = 8, 16, 2
+        else:
+            cfg = get_config("llama-3.1-8b")
+            p_len, n_new, reps = self.args.prompt_len, self.args.new_tokens, self.args.reps
+            cfg = cfg.replace(max_seq_len=max(4096, p_len + n_new))  # RoPE tables for what we use
+        model = random_model(cfg, dev, dtype)
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, cfg.vocab_size, (1, p_len), generator=g).to(dev)
+        graphs = time_llmlib_decode(model, prompt, n_new, use_graphs=self.place.is_cuda, reps=reps)
+        eager = time_llmlib_decode(model, prompt, min(n_new, 64), use_graphs=False, reps=1)
+        # the bytes one decode step reads, at the average context of the run
+        dt = "bf16" if dtype == torch.bfloat16 else ("f16" if dtype == torch.float16 else "f32")
+        ph = roofline.decode(cfg, batch=1, context=p_len + n_new // 2, dtype=dt)
+        t = graphs["decode_s_per_token"]
+        achieved = ph.bytes / t
+        bw = getattr(self, "copy_bw", None) or copy_bandwidth(dev, nbytes=(64 << 20) if self.dry else (4 << 30))
+        res = {"model": cfg.name, "weights": "random", "batch": 1, "prompt_tokens": p_len, "new_tokens": n_new,
+               "reps": reps, "params": sum(p.numel() for p in model.parameters()),
+               "bytes_per_decode_step": ph.bytes, "llmlib_graphs": _strip(graphs), "llmlib_eager": _strip(eager),
+               "tok_s": graphs["decode_tok_s"], "ms_per_token": 1e3 * t, "achieved_GBps": achieved / 1e9,
+               "copy_bandwidth_GBps": bw / 1e9, "mbu_vs_copy": achieved / bw, "goal_mbu_vs_copy": 0.70,
+               "goal_met": achieved / bw >= 0.70}
+        if self.place.is_cuda:
+            from llmlib.costs import get_gpu
+
+            name = torch.cuda.get_device_name(dev).lower()
+            key = "h200" if "h200" in name else ("h100-sxm" if "h100" in name else None)
+            if key:
+                roof = roofline.Roof.from_gpu(key)
+                pred = roofline.predict(ph, roof)
+                res.update({"datasheet_GBps": get_gpu(key).bandwidth / 1e9, "mbu_vs_datasheet": achieved / roof.bandwidth,
+                            "roofline_predicted_ms_per_token": 1e3 * pred.time})
+        del model
+        return res
+
+    # 5
+    def engine(self) -> dict:
+        from llmlib.engine import LLM
+        from llmlib.sampling import SamplingParams
+
+        dev, dtype = self.place.device, self.place.dtype
+        if self.dry:
+            cfg, n, lo, hi, max_seqs = TINY, 8, 4, 16, 8
+        else:
+            cfg = get_config(self.args.engine_model)
+            n, lo, hi, max_seqs = self.args.requests, 100, 1024, self.args.max_num_seqs
+            cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len if cfg.max_seq_len <= 8192 else 4096, 2 * hi + 16))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+        outs = [rng.randint(lo, hi) for _ in range(n)]
+        model = random_model(cfg, dev, dtype)
+        llm = LLM(model, None, max_num_seqs=max_seqs, max_model_len=2 * hi + 16)
+        # warm-up: a couple of short requests through the same code path, not timed
+        llm.generate([prompts[0][:lo], prompts[1][:lo]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        llm.reset_stats()
+        for p, m in zip(prompts, outs):
+            llm.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+        deadline = time.perf_counter() + (60 if self.dry else self.args.engine_timeout)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        done, out_tokens, first_token = 0, 0, []
+        while llm.has_unfinished_requests() and time.perf_counter() < deadline:
+            for o in llm.step():
+                out_tokens += len(o.delta_token_ids)
+                if o.finished:
+                    done += 1
+                    if o.metrics.time_to_first_token is not None:
+                        first_token.append(o.metrics.time_to_first_token)
+        synchronize(dev)
+        sec = time.perf_counter() - t0
+        st = llm.stats()
+        finished_all = done == n
+        in_tokens = sum(len(p) for p in prompts)
+        return {"model": cfg.name, "weights": "random", "requests": n, "prompt_len_range": [lo, hi],
+                "output_len_range": [lo, hi], "total_prompt_tokens": in_tokens, "total_output_tokens_planned": sum(outs),
+                "output_tokens": out_tokens, "completed_requests": done, "finished_all": finished_all,
+                "seconds": sec, "output_tok_s": out_tokens / sec, "requests_s": done / sec,
+                "total_tok_s": (out_tokens + (in_tokens if finished_all else 0)) / sec,
+                "median_ttft_s": statistics.median(first_token) if first_token else None,
+                "max_num_seqs": max_seqs, "num_blocks": st.num_blocks, "block_size": st.block_size,
+                "peak_used_blocks": st.peak_used_blocks, "preemptions": st.preemptions, "steps": st.steps,
+                "kv_waste": st.waste, "ok": finished_all}
+
+    def run(self) -> int:
+        print(f"gpu_check: {'DRY RUN on ' if self.dry else ''}{self.report['machine']['device_name']} "
+              f"({self.place}); writing {self.path}", flush=True)
+        if not self.args.skip_tests:
+            self.section("tests", self.tests)
+        self.section("copy_bandwidth", self.bandwidth)
+        self.section("smollm2_batch1", self.smollm2)
+        self.section("llama8b_batch1", self.llama8b)
+        self.section("engine_throughput", self.engine)
+        ok = all(s.get("ok") for s in self.report["sections"].values())
+        self.report["ok"] = ok
+        self.save()
+        print(f"gpu_check: {'all sections ok' if ok else 'SOME SECTIONS FAILED'} in "
+              f"{self.report['elapsed_s']:.1f} s -> {self.path}", flush=True)
+        return 0 if ok else 1
+
+
+def _strip(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "tokens"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="folder for the JSON results")
+    ap.add_argument("--dry-run", action="store_true", help="rehearse everything on the CPU with tiny shapes")
+    ap.add_argument("--device", default=None, help="default: cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA")
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 engine_throughput")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--engine-model", default="llama-3.1-8b", help="preset shape for the throughput run")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--engine-timeout", type=float, default=240.0, help="stop the throughput run after this long")
+    ap.add_argument("--tests-timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    return Check(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

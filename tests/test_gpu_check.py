@@ -1,0 +1,38 @@
+"""The GPU check rehearsed on the CPU (``--dry-run``), so the script that a GPU machine runs cannot rot."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ["tests", "copy_bandwidth", "smollm2_batch1", "llama8b_batch1", "engine_throughput"]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (tmp_path / "gpu_check.json").exists()  # a rehearsal never poses as a real result
+    rep = json.loads((tmp_path / "gpu_check.dry_run.json").read_text())
+    assert rep["schema"] == "llmlib.gpu_check/1" and rep["dry_run"] is True and rep["ok"] is True
+    assert rep["date"] and rep["machine"]["device_name"] and rep["machine"]["platform"]
+    assert list(rep["sections"]) == SECTIONS
+    s = rep["sections"]
+    assert all(sec["ok"] for sec in s.values()), {k: v.get("error") for k, v in s.items()}
+    # the fields the chapter reads exist, with sane values
+    assert s["copy_bandwidth"]["copy_bandwidth_GBps"] > 0
+    sm = s["smollm2_batch1"]
+    assert sm["llmlib_graphs"]["tok_s"] > 0 and sm["transformers"]["tok_s"] > 0 and sm["graphs_match_eager"]
+    assert sm["transformers_tokens_agree"] == sm["new_tokens"]  # same weights, fp32: the same greedy tokens
+    ll = s["llama8b_batch1"]
+    assert ll["tok_s"] > 0 and 0 < ll["mbu_vs_copy"] and ll["bytes_per_decode_step"] > 0
+    en = s["engine_throughput"]
+    assert en["finished_all"] and en["completed_requests"] == en["requests"] == 8
+    assert en["output_tokens"] == en["total_output_tokens_planned"] and en["output_tok_s"] > 0
+    print(f"gpu_check --dry-run: {wall:.1f} s wall")
+    assert wall < 240  # well under a minute on an idle 2-core machine; generous for a busy one
