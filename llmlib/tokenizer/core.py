@@ -254,6 +254,14 @@ class Tokenizer:
         """Decode to text; bytes that are not valid UTF-8 become U+FFFD (``errors="replace"``)."""
         return self.decode_bytes(ids).decode("utf-8", errors=errors)
 
+    def pieces(self, text: str, **encode_kwargs: object) -> list[str]:
+        """The tokens of ``encode(text)`` as readable strings, for showing how text was cut.
+
+        A token that is not whole UTF-8 (part of a character) shows its bytes as ``\\xNN``.
+        """
+        ids = self.encode(text, **encode_kwargs)  # type: ignore[arg-type]
+        return [self.id_to_bytes(i).decode("utf-8", errors="backslashreplace") for i in ids]
+
     # ------------------------------------------------------------------ files
     def save(self, path: str) -> None:
         """Write a Hugging Face ``tokenizer.json`` (loads in ``tokenizers.Tokenizer.from_file``)."""

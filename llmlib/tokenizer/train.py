@@ -26,7 +26,7 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the plain text bar: works in terminals and in executed notebooks alike
 
 from llmlib.tokenizer.core import Tokenizer
 from llmlib.tokenizer.pretokenize import compile_pattern
@@ -145,7 +145,8 @@ def learn_merges(
     heapq.heapify(heap)
 
     merges: list[tuple[int, int]] = []
-    bar = tqdm(total=num_merges, desc="BPE merges", unit="merge", disable=not progress, leave=False)
+    # at most one redraw a second: an executed notebook keeps every redraw of the bar
+    bar = tqdm(total=num_merges, desc="BPE merges", unit="merge", disable=not progress, mininterval=1.0)
     while len(merges) < num_merges and heap:
         negc, _, _, a, b = heapq.heappop(heap)
         pair = (a, b)
