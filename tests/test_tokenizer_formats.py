@@ -174,3 +174,33 @@ def test_smollm2_chat_markers(smol, hf_smol):
     assert smol.encode(prompt, allowed_special="all") == hf_smol(prompt, add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="im_start"):
         smol.encode(prompt)
+
+
+@pytest.mark.model
+def test_real_tokenizer_json_loads(smol, hf_smol, tmp_path):
+    """SmolLM2's tokenizer as a Hugging Face tokenizer.json (with its real Digits + ByteLevel
+    pre-tokenizer) reads back into the same tokenizer as the GGUF."""
+    import json
+
+    data = json.loads(hf_smol.backend_tokenizer.to_str())
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": smol.chat_template}), encoding="utf-8")
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert tok.pattern_name == "smollm2" and tok.vocab_size == smol.vocab_size
+    assert tok.special_tokens == smol.special_tokens
+    assert (tok.bos_id, tok.eos_id, tok.chat_template) == (smol.bos_id, smol.eos_id, smol.chat_template)
+    text = CORPUS.read_text(encoding="utf-8")[:100_000] + "".join(SAMPLES) + " in  2024"
+    assert tok.encode(text, allowed_special="all") == smol.encode(text, allowed_special="all")
+
+
+def test_cl100k_json_round_trip(cl100k, tiktoken_enc, tmp_path):
+    """cl100k written as tokenizer.json by llmlib reads back into llmlib with tiktoken's ids."""
+    cl100k.save(tmp_path / "tokenizer.json")
+    again = load_tokenizer(tmp_path / "tokenizer.json")
+    assert again.pattern_name == "gpt4" and again.special_tokens == cl100k.special_tokens
+    text = CORPUS.read_text(encoding="utf-8")[:50_000] + "".join(SAMPLES)
+    assert again.encode(text, allowed_special="all") == tiktoken_enc.encode(text, allowed_special="all")
