@@ -188,14 +188,14 @@ class Attention(nn.Module):
     a test double all plug in here; the layer never knows which.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, device: torch.device | str | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.splits = [q_rows, kv_rows, kv_rows]
-        self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=False)
-        self.wo = nn.Linear(q_rows, cfg.d_model, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=False, device=device)
+        self.wo = nn.Linear(q_rows, cfg.d_model, bias=False, device=device)
         self.backend = "sdpa"  # or "naive" / "tiled": same numbers, for the book and the tests
         register_fused_linear(self, "wqkv", [("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)])
 

@@ -28,10 +28,10 @@ class RMSNorm(nn.Module):
     The float32 detour matters in bfloat16, where the sum of squares would otherwise lose bits.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, device: torch.device | str | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -46,11 +46,11 @@ class FeedForward(nn.Module):
     State-dict names ``w_gate``, ``w_up``, ``w_down``; gate and up are one fused matrix internally.
     """
 
-    def __init__(self, d_model: int, ffn_dim: int):
+    def __init__(self, d_model: int, ffn_dim: int, device: torch.device | str | None = None):
         super().__init__()
         self.ffn_dim = ffn_dim
-        self.w_gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=False)
-        self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
+        self.w_gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=False, device=device)
+        self.w_down = nn.Linear(ffn_dim, d_model, bias=False, device=device)
         register_fused_linear(self, "w_gate_up", [("w_gate", ffn_dim), ("w_up", ffn_dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,11 +66,12 @@ class MoEFeedForward(nn.Module):
     expert sees only the tokens routed to it, so a token pays for ``k`` FFNs, not ``E``.
     """
 
-    def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int):
+    def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.top_k = top_k
-        self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(d_model, ffn_dim) for _ in range(n_experts))
+        self.router = nn.Linear(d_model, n_experts, bias=False, device=device)
+        self.experts = nn.ModuleList(FeedForward(d_model, ffn_dim, device) for _ in range(n_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] float32, expert ids [N, k])."""
@@ -93,15 +94,15 @@ class MoEFeedForward(nn.Module):
 class Block(nn.Module):
     """One layer: ``x += attn(attn_norm(x))``; ``x += ffn(ffn_norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, device: torch.device | str | None = None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_idx)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+        self.attn = Attention(cfg, layer_idx, device)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         if cfg.n_experts:
-            self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.n_experts_per_token)
+            self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.n_experts_per_token, device)
         else:
-            self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
+            self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, device)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

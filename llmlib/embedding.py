@@ -17,9 +17,9 @@ from torch import nn
 class TokenEmbedding(nn.Module):
     """The ``[vocab_size, d_model]`` table (state-dict name ``embed.weight``)."""
 
-    def __init__(self, vocab_size: int, d_model: int):
+    def __init__(self, vocab_size: int, d_model: int, device: torch.device | str | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model, device=device))
         if self.weight.device.type != "meta":  # a loader builds on meta and fills from the checkpoint
             nn.init.normal_(self.weight, std=0.02)
 

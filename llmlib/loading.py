@@ -70,8 +70,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | 
     """Check ``state`` (llmlib names) against ``cfg`` and return a model holding exactly those weights."""
     device, dtype = resolve_device_dtype(device, dtype)
     check_state_dict(cfg, state)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = Transformer(cfg, device="meta")
     # Hand the checkpoint's own tensors to the model (assign=True) instead of allocating and copying:
     # on this kind of machine first-touching half a gigabyte of fresh memory costs seconds.
     # The pre-load hooks concatenate q/k/v and gate/up into their fused matrices on the way in.

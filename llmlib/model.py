@@ -22,16 +22,20 @@ from llmlib.rope import RotaryTables
 class Transformer(nn.Module):
     """A Llama-family decoder (dense SwiGLU or Mixtral-style experts), tied or untied LM head."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+        """``device="meta"`` builds the shapes without memory or random init (the loaders do this,
+        then hand in the checkpoint's tensors)."""
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"Transformer expects a ModelConfig, got {type(cfg).__name__}")
         self.config = cfg
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model)
-        self.rope = RotaryTables.from_config(cfg)  # cos/sin for every position, computed once
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, device)
+        self.rope = RotaryTables.from_config(cfg)  # cos/sin for every position, computed once (on CPU)
+        if device is not None and torch.device(device).type != "meta":
+            self.rope.to(device)
+        self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None,
@@ -115,9 +119,7 @@ def random_model(cfg: ModelConfig, device: str | torch.device | None = None, dty
     from llmlib.loading import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(device, dtype)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = Transformer(cfg, device="meta").to(dtype=dtype).to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
