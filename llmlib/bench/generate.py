@@ -1,0 +1,97 @@
+"""``llmlib bench generate``: decode speed at batch 1, llmlib against transformers, in one run.
+
+Both load the same SmolLM2 GGUF in float32 on the CPU and generate the same number of new tokens
+greedily from the same prompt ids (transformers with ``min_new_tokens`` so it cannot stop early,
+llmlib with ``ignore_eos``). Runs alternate between the two so a noisy neighbour on this shared
+machine slows both alike; we report medians and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+PROMPT = "What is a quadratic equation?"
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(model_path: str | None = None, new_tokens: int = 64, runs: int = 3, threads: int | None = None,
+        prompt: str = PROMPT, verbose: bool = True) -> dict:
+    import llmlib
+    from llmlib.fetch import resolve_model_path
+    from llmlib.generate import Generator
+
+    if threads:
+        torch.set_num_threads(threads)
+    path = resolve_model_path(model_path)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if verbose else (lambda *a: None)
+
+    log(f"loading {path.name} into llmlib and transformers (float32, CPU, {torch.get_num_threads()} threads) ...")
+    gen = Generator(llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path))
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    ids = gen.encode_prompt(prompt)[1]
+    ids_t = torch.tensor([ids])
+
+    def ours() -> list[int]:
+        return gen.generate(ids, max_new_tokens=new_tokens, ignore_eos=True).token_ids
+
+    def theirs() -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    # warm up both (first calls allocate caches and pick kernels), and compare the tokens
+    same = ours() == theirs()
+    t_ours, t_theirs = [], []
+    for i in range(runs):
+        t_ours.append(_time(ours))
+        t_theirs.append(_time(theirs))
+        log(f"run {i + 1}/{runs}: llmlib {new_tokens / t_ours[-1]:.1f} tok/s, transformers {new_tokens / t_theirs[-1]:.1f} tok/s")
+    ours_tps = new_tokens / statistics.median(t_ours)
+    theirs_tps = new_tokens / statistics.median(t_theirs)
+    return {
+        "model": path.name, "dtype": "float32", "device": "cpu", "threads": torch.get_num_threads(),
+        "prompt_tokens": len(ids), "new_tokens": new_tokens, "runs": runs,
+        "llmlib_tokens_per_s": round(ours_tps, 2), "transformers_tokens_per_s": round(theirs_tps, 2),
+        "ratio": round(ours_tps / theirs_tps, 3), "same_tokens": same,
+        "llmlib_seconds": [round(t, 3) for t in t_ours], "transformers_seconds": [round(t, 3) for t in t_theirs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="llmlib bench generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    if args.new_tokens < 1 or args.runs < 1:
+        print("llmlib bench generate: --new-tokens and --runs must be >= 1", file=sys.stderr)
+        return 2
+    r = run(args.model, args.new_tokens, args.runs, args.threads, args.prompt, verbose=not args.json)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"{r['model']} float32 CPU, batch 1, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
+              f"median of {r['runs']} runs, {r['threads']} threads")
+        print(f"  llmlib        {r['llmlib_tokens_per_s']:7.1f} tokens/s")
+        print(f"  transformers  {r['transformers_tokens_per_s']:7.1f} tokens/s")
+        print(f"  ratio         {r['ratio']:7.2f}x   (same greedy tokens: {'yes' if r['same_tokens'] else 'no'})")
+    return 0

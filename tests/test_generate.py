@@ -1,0 +1,310 @@
+"""The generate loop: token-for-token equal to transformers' greedy generate, stops, streaming, errors."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import llmlib
+from llmlib.config import ModelConfig
+from llmlib.generate import Generator, render_chat
+
+
+# ---- doubles: a byte tokenizer and a model that follows a script -----------------------------
+
+class ByteTokenizer:
+    """Token i < 256 is the byte i; 256 is the end-of-sequence token. Enough for the generator."""
+
+    eos_id = 256
+    bos_id = None
+    vocab_size = 257
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+    def encode(self, text, allowed_special=()):
+        return list(text.encode("utf-8"))
+
+    def id_to_bytes(self, i):
+        return b"<eos>" if i == 256 else bytes([i % 256])
+
+    def decode(self, ids):
+        return b"".join(self.id_to_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class ScriptedModel(nn.Module):
+    """Whatever the prompt, answers ``script`` one token per call (a prefill, T > 1, starts over)."""
+
+    def __init__(self, script: list[int], max_seq_len: int = 256):
+        super().__init__()
+        self.config = ModelConfig(name="scripted", vocab_size=257, d_model=4, n_layers=1, n_heads=1, n_kv_heads=1,
+                                  ffn_dim=4, max_seq_len=max_seq_len, eos_token_ids=(256,))
+        self.script, self.i = script, 0
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, positions=None, cache=None, last_only=False):
+        if ids.shape[1] > 1:
+            self.i = 0
+        logits = torch.zeros(ids.shape[0], 1 if last_only else ids.shape[1], 257)
+        logits[:, -1, self.script[min(self.i, len(self.script) - 1)]] = 10.0
+        self.i += 1
+        return logits
+
+
+def scripted(text: str, prompt: str = "Q:", eos: bool = False, **kw) -> tuple[Generator, str]:
+    script = list(text.encode("utf-8")) + ([256] if eos else [ord(".")] * 4)
+    return Generator(ScriptedModel(script, **kw), ByteTokenizer()), prompt
+
+
+# ---- streaming, stops, finish reasons --------------------------------------------------------
+
+TEXT = "héllo, wörld 😀 — 日本語!"
+
+
+def test_stream_reassembles_text_without_splitting_characters():
+    gen, prompt = scripted(TEXT, eos=True)
+    pieces = list(gen.stream(prompt, max_new_tokens=100))
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)  # no half characters
+    assert "😀" in pieces  # the 4-byte emoji arrives as one piece, after its last byte
+    assert len(pieces) == len(TEXT)  # one piece per character (each byte is a token here)
+    out = gen.generate(prompt, max_new_tokens=100)
+    assert out.text == TEXT and out.finish_reason == "stop"
+    assert out.token_ids[-1] == 256 and len(out.token_ids) == len(TEXT.encode()) + 1
+
+
+def test_length_finish_and_timing():
+    gen, prompt = scripted(TEXT)
+    out = gen.generate(prompt, max_new_tokens=5)
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text == "héll"  # 5 bytes: é is two of them
+    assert out.timing.prefill_s > 0 and len(out.timing.step_s) == 4 and out.timing.tokens_per_s > 0
+    assert out.token_texts[:2] == ["h", "\ufffd"]  # the first byte of é alone is not a character
+
+
+def test_partial_character_at_the_end_is_replaced():
+    gen, prompt = scripted("a😀")
+    out = gen.generate(prompt, max_new_tokens=3)  # 'a' and two of the emoji's four bytes
+    assert out.text == "a\ufffd" and "".join(gen.stream(prompt, max_new_tokens=3)) == out.text
+
+
+@pytest.mark.parametrize("stop, expected", [("STOP", "abc "), (["xyz", "P d"], "abc STO"), ("\n\n", "one\ntwo")])
+def test_stop_strings(stop, expected):
+    text = {"STOP": "abc STOP def", "\n\n": "one\ntwo\n\nthree"}.get(stop if isinstance(stop, str) else "STOP")
+    gen, prompt = scripted(text)
+    out = gen.generate(prompt, max_new_tokens=50, stop=stop)
+    assert out.text == expected and out.finish_reason == "stop"
+    pieces = list(gen.stream(prompt, max_new_tokens=50, stop=stop))
+    assert "".join(pieces) == expected
+    if stop == "\n\n":  # the first newline is held back until we know it does not start the stop string
+        assert "".join(pieces[:-1]) + pieces[-1] == expected and not any(p.endswith("\n") for p in pieces)
+
+
+def test_ignore_eos_and_eos_from_config():
+    gen, prompt = scripted("hi", eos=True)
+    out = gen.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert out.finish_reason == "length" and len(out.token_ids) == 6 and 256 in out.token_ids
+
+
+def test_context_limits():
+    gen, _ = scripted("abc", max_seq_len=16)
+    with pytest.raises(ValueError, match="context"):
+        gen.generate("x" * 16)
+    out = gen.generate("x" * 12, max_new_tokens=50)  # room for 4 new tokens only
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(seed=-5), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+])
+def test_invalid_arguments(kwargs, match):
+    gen, prompt = scripted("abc")
+    with pytest.raises(ValueError, match=match):
+        gen.generate(prompt, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        list(gen.stream(prompt, **kwargs))
+
+
+def test_empty_prompt_and_bad_prompt_type():
+    gen, _ = scripted("abc")
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate("")
+    with pytest.raises(TypeError, match="prompt"):
+        gen.generate(3.5)
+
+
+def test_chat_uses_the_template():
+    gen, _ = scripted("ok", eos=True)
+    out = gen.generate("hello", chat=True)
+    assert out.prompt == "<user>hello\n<assistant>" and out.text == "ok"
+    gen.tokenizer.chat_template = None
+    try:
+        with pytest.raises(ValueError, match="chat template"):
+            gen.generate("hello", chat=True)
+    finally:
+        del gen.tokenizer.chat_template  # back to the class attribute
+
+
+def test_render_chat_matches_hugging_face():
+    tr = pytest.importorskip("transformers.utils.chat_template_utils")
+    template = (
+        "{{ bos_token }}\n{% for m in messages %}\n"
+        "    {% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}\n"
+        "    {{ '<|' + m['role'] + '|>\\n' + m['content'] | trim }}\n"
+        "    {% if loop.last and m['role'] == 'user' %}{% break %}{% endif %}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{{ {'k': 'é'} | tojson }}{% endif %}"
+    )
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Hi! "}]
+    for agp in (True, False):
+        ref = tr.render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=agp,
+                                       bos_token="<s>")[0][0]
+        assert render_chat(template, msgs, add_generation_prompt=agp, bos_token="<s>") == ref
+    import jinja2
+
+    with pytest.raises(jinja2.exceptions.TemplateError, match="bad role"):
+        render_chat(template, [{"role": "robot", "content": "x"}])
+    with pytest.raises(jinja2.exceptions.SecurityError):  # the sandbox: templates cannot reach Python internals
+        render_chat("{{ messages.__class__.__mro__ }}", msgs)
+    with pytest.raises(ValueError, match="role"):
+        render_chat(template, [{"content": "no role"}])
+
+
+def test_chat_repl_keeps_the_conversation():
+    import io
+
+    from llmlib.chat import repl
+
+    gen, _ = scripted("fine", eos=True)
+    lines = iter(["hello", "", "/reset", "how are you?", "and you?"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    history = repl(gen, read=read, out=out, system="Be nice.")
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert history[1]["content"] == "how are you?" and history[2]["content"] == "fine"
+    # the second turn's prompt held the whole conversation, rendered by the template
+    assert gen.last_result.prompt == "<system>Be nice.\n<user>how are you?\n<assistant>fine\n<user>and you?\n<assistant>"
+    assert out.getvalue().count("fine\n") == 3 and "cleared" in out.getvalue()
+
+
+def test_chat_drops_old_turns_when_the_context_is_full():
+    from llmlib.chat import chat_turn
+    import io
+
+    gen, _ = scripted("ok", eos=True, max_seq_len=64)
+    history = []
+    for _ in range(6):
+        chat_turn(gen, history, "x" * 12, out=io.StringIO(), max_new_tokens=4)
+    assert len(gen.last_result.prompt_ids) < 64 and len(history) < 12 and history[-1]["content"] == "ok"
+
+
+# ---- against transformers on random-weight Llama models ---------------------------------------
+
+def _hf_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    with torch.no_grad():  # larger weights than the default init, so the greedy path is not a trivial loop
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # grouped-query attention, untied head
+    dict(num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500_000.0),  # multi-head, tied
+])
+def test_greedy_matches_transformers_on_random_llama(overrides):
+    pytest.importorskip("transformers")
+    hf = _hf_llama(**overrides)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = llmlib.load_model(d, device="cpu", dtype=torch.float32)
+    gen = Generator(ours, ByteTokenizer())
+    g = torch.Generator().manual_seed(5)
+    distinct = set()
+    for n in (1, 23):
+        prompt = torch.randint(0, 320, (n,), generator=g).tolist()
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, n:].tolist()
+        out = gen.generate(prompt, max_new_tokens=64, ignore_eos=True)
+        assert out.token_ids == ref
+        distinct |= set(ref)
+    assert len(distinct) > 3  # real continuations, not one token repeated
+
+
+def test_seed_reproduces_sampling_on_random_llama():
+    pytest.importorskip("transformers")
+    hf = _hf_llama()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        gen = Generator(llmlib.load_model(d, device="cpu"), ByteTokenizer())
+    kw = dict(max_new_tokens=24, temperature=1.2, top_p=0.95, ignore_eos=True)
+    a = gen.generate([1, 2, 3], seed=11, **kw).token_ids
+    assert gen.generate([1, 2, 3], seed=11, **kw).token_ids == a
+    assert gen.generate([1, 2, 3], seed=12, **kw).token_ids != a
+    assert gen.generate([1, 2, 3], **{**kw, "temperature": 0.0}).token_ids != a  # it really sampled
+
+
+# ---- the real model ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from llmlib.fetch import resolve_model_path
+
+    path = resolve_model_path(None)
+    return path, Generator(llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path))
+
+
+@pytest.mark.model
+def test_smollm2_greedy_matches_transformers(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    path, gen = smollm2
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for chat in (False, True):
+        out = gen.generate("What is a quadratic equation?", max_new_tokens=64, chat=chat)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([out.prompt_ids]), max_new_tokens=64, do_sample=False)
+        assert out.token_ids == ref[0, len(out.prompt_ids):].tolist()
+    assert "quadratic" in out.text.lower()
+
+
+@pytest.mark.model
+def test_smollm2_chat_template_matches_hugging_face(smollm2):
+    tr = pytest.importorskip("transformers.utils.chat_template_utils")
+    _, gen = smollm2
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    ref = tr.render_jinja_template(conversations=[msgs], chat_template=gen.tokenizer.chat_template,
+                                   add_generation_prompt=True)[0][0]
+    assert gen.chat_prompt(msgs) == ref
+    assert ref.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.model
+def test_smollm2_stream_equals_generate(smollm2):
+    _, gen = smollm2
+    kw = dict(max_new_tokens=24, temperature=0.9, seed=3, chat=True)
+    text = gen.generate("Write a word in Japanese, then an emoji.", **kw).text
+    assert "".join(gen.stream("Write a word in Japanese, then an emoji.", **kw)) == text
