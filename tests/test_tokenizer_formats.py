@@ -91,16 +91,9 @@ def test_cl100k_saved_as_json_matches_tokenizers(cl100k, tiktoken_enc, tmp_path)
 
 # ---------------------------------------------------------------------------------- GGUF / SmolLM2
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from llmlib.fetch import resolve_model_path
-
-    try:
-        p = Path(resolve_model_path(None))
-    except Exception as e:  # not downloaded here
-        pytest.skip(f"SmolLM2 GGUF not available: {e}")
-    if not p.is_file():
-        pytest.skip("SmolLM2 GGUF not available")
-    return p
+def gguf_path(smollm2_path) -> Path:
+    """SmolLM2's GGUF (the shared fixture fetches it if it is missing)."""
+    return Path(smollm2_path)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ after the first few thousand is a dictionary hit and the merge loop never runs.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
 from typing import Literal
 
@@ -22,6 +23,13 @@ from llmlib.tokenizer.pretokenize import compile_pattern, pattern_name, resolve_
 # Above this many cached pieces the cache is dropped and rebuilt, so memory stays bounded on
 # adversarial input (say, a long stream of random strings) while real text stays all hits.
 _CACHE_LIMIT = 1 << 18
+
+
+@functools.lru_cache(maxsize=64)
+def _special_splitter(allowed: frozenset[str]) -> "regex.Pattern[str]":
+    """A regex that splits text around the allowed special tokens (longest first, so that
+    ``<|a|>x`` never shadows ``<|a|>xy``), keeping them as separate parts."""
+    return regex.compile("(" + "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True)) + ")")
 
 
 class Tokenizer:
@@ -227,8 +235,7 @@ class Tokenizer:
                     f"disallowed_special=() to encode them as ordinary text")
         if not allowed:
             return self.encode_ordinary(text)
-        # split around allowed specials (longest first, so '<|a|>x' never shadows '<|a|>xy')
-        splitter = regex.compile("(" + "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True)) + ")")
+        splitter = _special_splitter(frozenset(allowed))
         out: list[int] = []
         for k, part in enumerate(splitter.split(text)):
             if k % 2:
