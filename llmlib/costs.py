@@ -325,7 +325,7 @@ def embedding_row_bytes(cfg: "ModelConfig | str", dtype: str = "bf16") -> float:
 
 
 def kv_bytes_per_token(cfg: "ModelConfig | str", kv_dtype: str = "bf16") -> float:
-    """KV-cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+    """KV-cache bytes per token: keys and values (the 2) for every layer, KV head and head dimension."""
     cfg = get_config(cfg)
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_param(kv_dtype)
 

@@ -101,6 +101,7 @@ def phase(
     dtype: str = "bf16",
     weight_dtype: str | None = None,
     weight_bits: int | None = None,
+    last_only: bool = False,
 ) -> Phase:
     """FLOPs and bytes of one pass of ``kind`` ``"prefill"`` (``tokens`` new tokens per sequence,
     default 1) or ``"decode"`` (one new token per sequence) at ``batch`` sequences, each with
@@ -109,7 +110,9 @@ def phase(
     Bytes: the weights once per pass (all layers, final norm, full LM head; for a mixture of experts
     the experts the batch is expected to touch), plus per sequence the cached keys/values read and the
     new ones written, plus per new token its embedding row and activations
-    (:func:`llmlib.costs.activation_bytes_per_token`).
+    (:func:`llmlib.costs.activation_bytes_per_token`). ``last_only`` models a prefill that runs the
+    LM head for the last position only (all a generator needs): the other rows' LM-head FLOPs and
+    logits disappear, though the LM head's weights are still read once.
     """
     cfg = get_config(cfg)
     if kind not in ("prefill", "decode"):
@@ -126,6 +129,7 @@ def phase(
     rows = batch * tokens
     experts = C.expected_experts_read(cfg, rows) if cfg.n_experts else None
     kv_tok = C.kv_bytes_per_token(cfg, dtype)
+    skipped = batch * (tokens - 1) if last_only else 0  # rows whose logits are never computed
     return Phase(
         kind=kind,
         model=cfg.name,
@@ -134,10 +138,10 @@ def phase(
         context=context,
         dtype=dtype,
         weight_dtype=wd,
-        flops=batch * C.prefill_flops(cfg, tokens, past=context),
+        flops=batch * C.prefill_flops(cfg, tokens, past=context) - skipped * 2.0 * C.param_counts(cfg).lm_head_read,
         weight_bytes=C.pass_weight_bytes(cfg, wd, experts_read=experts) + rows * C.embedding_row_bytes(cfg, wd),
         kv_bytes=batch * (context + tokens) * kv_tok,
-        activation_bytes=rows * C.activation_bytes_per_token(cfg, dtype),
+        activation_bytes=rows * C.activation_bytes_per_token(cfg, dtype) - skipped * cfg.vocab_size * 4.0,
     )
 
 
@@ -278,7 +282,7 @@ def _torch_dtype_name(dtype: Any) -> str:
     return str(pick_dtype("cpu", dtype)).removeprefix("torch.")
 
 
-def _time_reps(fn: Any, device: Any, warmup: int, reps: int) -> list[float]:
+def time_reps(fn: Any, device: Any, warmup: int, reps: int) -> list[float]:
     """Seconds of each of ``reps`` runs of ``fn`` after ``warmup`` untimed ones (CUDA events on a GPU)."""
     from llmlib.device import Timer, synchronize
 
@@ -311,7 +315,7 @@ def measure_matmul(dtype: Any = "float32", device: Any = None, n: int | None = N
     a = torch.randn(n, n, device=dev).to(dt)
     b = torch.randn(n, n, device=dev).to(dt)
     out = torch.empty(n, n, device=dev, dtype=dt)
-    secs = _time_reps(lambda: torch.mm(a, b, out=out), dev, warmup, reps)
+    secs = time_reps(lambda: torch.mm(a, b, out=out), dev, warmup, reps)
     return [2.0 * n**3 / s for s in secs]
 
 
@@ -329,7 +333,7 @@ def measure_bandwidth(device: Any = None, nbytes: int | None = None, reps: int =
     nbytes = nbytes or ((2 << 30) if dev.type == "cuda" else (256 << 20))
     src = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    secs = _time_reps(lambda: dst.copy_(src), dev, warmup, reps)
+    secs = time_reps(lambda: dst.copy_(src), dev, warmup, reps)
     return [2.0 * src.numel() * 4 / s for s in secs]
 
 

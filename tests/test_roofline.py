@@ -136,3 +136,63 @@ def test_measure_machine_small() -> None:
     assert r.ridge == pytest.approx(c.matmul_flops["float32"] / c.bandwidth)
     with pytest.raises(ValueError, match="no matmul"):
         c.roof("bfloat16")
+
+
+def test_last_only_prefill_skips_the_lm_head_rows() -> None:
+    full = prefill(TINY, tokens=4, dtype="f32")
+    last = prefill(TINY, tokens=4, dtype="f32", last_only=True)
+    assert full.flops - last.flops == 3 * 2 * 800  # 3 rows x the LM head's 100x8 weights
+    assert full.activation_bytes - last.activation_bytes == 3 * 100 * 4
+    assert full.weight_bytes == last.weight_bytes  # the LM head is still read once
+
+
+# --- the benchmark's pieces, on a tiny random model (fast; no model file) --------------------
+
+def test_bench_pieces_on_a_tiny_model() -> None:
+    import torch
+
+    from llmlib.bench import roofline as bench
+    from llmlib.costs import param_counts, pass_weight_bytes
+    from llmlib.model import random_model
+
+    cfg = TINY.replace(max_seq_len=64)
+    model = random_model(cfg, device="cpu", dtype=torch.float32)
+    # the matrices a decode step multiplies by: exactly the cost model's pass bytes minus the norms
+    sec, nbytes = bench.time_weight_stream(model, reps=3)
+    assert sec > 0
+    p = param_counts(cfg)
+    assert nbytes == pass_weight_bytes(cfg, "f32") - 4 * (cfg.n_layers * p.norms_per_layer + p.final_norm)
+    assert sum(t.numel() for t in model.parameters()) == p.total
+    roof = Roof("toy", 1e10, 1e9)
+    pts = bench.measure_points(model, roof, prefill_lengths=(4,), decode_batches=(1, 3), context=5, reps=3)
+    assert [(q.kind, q.batch, q.tokens) for q in pts] == [("prefill", 1, 4), ("decode", 1, 1), ("decode", 3, 1)]
+    for q in pts:
+        assert q.measured_s > 0 and q.predicted_s > 0
+        assert q.mfu == pytest.approx(q.flops / q.measured_s / 1e10)
+        assert q.mbu == pytest.approx(q.bytes / q.measured_s / 1e9)
+    assert pts[2].flops == decode(cfg, batch=3, context=5, dtype="f32").flops
+    assert pts[0].flops == prefill(cfg, tokens=4, dtype="f32", last_only=True).flops
+
+
+@pytest.mark.model
+def test_bench_roofline_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    from llmlib.bench import roofline as bench
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--json", "--threads", "1", "--large-layers", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    r = json.loads(capsys.readouterr().out)
+    assert r["ceilings"]["bandwidth"] > 0 and r["ceilings"]["matmul_flops"]["float32"] > 0
+    kinds = {(p["model"], p["kind"]) for p in r["points"]}
+    assert ("smollm2-135m", "decode") in kinds and ("smollm2-135m", "prefill") in kinds
+    assert r["smollm2_params"] == 134_515_008
+    d1 = next(p for p in r["points"] if p["model"] == "smollm2-135m" and p["kind"] == "decode" and p["batch"] == 1)
+    assert d1["bound"] == "memory"
+    # a floor is a floor: the step cannot run much faster than bytes / measured bandwidth
+    assert d1["measured_s"] > 0.5 * d1["predicted_s"]
