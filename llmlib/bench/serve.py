@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -254,18 +255,40 @@ def served_model(url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
+def _run(coro: Any) -> Any:
+    """``asyncio.run``, also from inside a running event loop (a notebook): then in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="bench-serve-client")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def sweep(url: str, concurrencies: Sequence[int] = (1, 4, 16), rates: Sequence[float] = (),
           num_prompts: int | None = None, max_tokens: int = 32, prompt_words: int = 48, seed: int = 0,
           quiet: bool = False) -> list[dict[str, Any]]:
     """Run every level against ``url`` (after one warm-up request) and return their metrics."""
     model = served_model(url)
-    asyncio.run(run_level(url, model, make_prompts(1, 8, seed), 4, concurrency=1))  # warm-up, not counted
+    _run(run_level(url, model, make_prompts(1, 8, seed), 4, concurrency=1))  # warm-up, not counted
     levels: list[tuple[int | None, float | None]] = [(c, None) for c in concurrencies] + [(None, r) for r in rates]
     out = []
     for c, r in levels:
         n = num_prompts or max(4, 2 * (c or int(4 * (r or 1))))
         prompts = make_prompts(n, prompt_words, seed)
-        m = asyncio.run(run_level(url, model, prompts, max_tokens, concurrency=c, rate=r, seed=seed))
+        m = _run(run_level(url, model, prompts, max_tokens, concurrency=c, rate=r, seed=seed))
         m["model"] = model
         out.append(m)
         if not quiet:
