@@ -172,6 +172,9 @@ def test_bench_pieces_on_a_tiny_model() -> None:
         assert q.mbu == pytest.approx(q.bytes / q.measured_s / 1e9)
     assert pts[2].flops == decode(cfg, batch=3, context=5, dtype="f32").flops
     assert pts[0].flops == prefill(cfg, tokens=4, dtype="f32", last_only=True).flops
+    bd = bench.decode_breakdown(model, model, context=5, reps=2)
+    assert bd["stream_bytes"] == nbytes
+    assert all(bd[k] > 0 for k in ("step_s", "stream_s", "overhead_s"))
 
 
 @pytest.mark.model

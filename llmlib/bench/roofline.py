@@ -85,27 +85,16 @@ def time_prefill(model: torch.nn.Module, tokens: int, batch: int = 1, reps: int 
 @torch.inference_mode()
 def time_decode(model: torch.nn.Module, batch: int = 1, context: int = 64, reps: int = 5, warmup: int = 2) -> float:
     """Median seconds of one decode step: ``batch`` new tokens, each after ``context`` cached ones."""
-    cfg = model.config
-    cache = _make_cache(cfg, batch, context, model.device, model.dtype)
-    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=model.device)
-    pos = torch.full((batch, 1), context, device=model.device)
-
-    def step() -> torch.Tensor:
-        cache.length = context  # rewind: every rep is the same step
-        return model(ids, positions=pos, cache=cache)
-
-    return _median_time(step, model.device, warmup, reps)
+    return _median_time(_decode_step(model, batch, context), model.device, warmup, reps)
 
 
-@torch.inference_mode()
-def time_weight_stream(model: torch.nn.Module, batch: int = 1, reps: int = 5, warmup: int = 2) -> tuple[float, int]:
-    """Median seconds to multiply a ``batch``-row input by every weight matrix a decode step uses
-    (each layer's matrices and the LM head), back to back with no model code in between; and the
-    bytes of those matrices. This is the matmul kernels' own share of a decode step: the gap between
-    it and the roofline is kernel efficiency, the gap between it and the real step is everything else."""
+def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
+    """A function that multiplies a ``batch``-row input by every weight matrix a decode step uses (each
+    layer's matrices, then the LM head, which is the embedding table when tied), back to back with no
+    model code in between; and the bytes of those matrices. Its time is the matmul kernels' own share
+    of a decode step: its gap to the roofline is kernel efficiency, its gap to the real step is the rest."""
     import torch.nn.functional as F
 
-    # every matrix in the layers, then the LM head (the embedding table itself when tied)
     mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n not in ("embed.weight", "lm_head.weight")]
     mats.append(model.lm_head_weight)
     xs = {k: torch.randn(batch, k, device=model.device, dtype=model.dtype) for k in {w.shape[1] for w in mats}}
@@ -114,8 +103,44 @@ def time_weight_stream(model: torch.nn.Module, batch: int = 1, reps: int = 5, wa
         for w in mats:
             F.linear(xs[w.shape[1]], w)
 
-    nbytes = sum(w.numel() * w.element_size() for w in mats)
+    return stream, sum(w.numel() * w.element_size() for w in mats)
+
+
+@torch.inference_mode()
+def time_weight_stream(model: torch.nn.Module, batch: int = 1, reps: int = 5, warmup: int = 2) -> tuple[float, int]:
+    """Median seconds of :func:`weight_stream`, and its bytes."""
+    stream, nbytes = weight_stream(model, batch)
     return _median_time(stream, model.device, warmup, reps), nbytes
+
+
+def _decode_step(model: torch.nn.Module, batch: int, context: int) -> Any:
+    """A function running one decode step of ``batch`` rows after ``context`` cached tokens, rewinding
+    the cache each time so every call is the same step."""
+    cache = _make_cache(model.config, batch, context, model.device, model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
+    pos = torch.full((batch, 1), context, device=model.device)
+
+    def step() -> torch.Tensor:
+        cache.length = context
+        return model(ids, positions=pos, cache=cache)
+
+    return step
+
+
+@torch.inference_mode()
+def decode_breakdown(model: torch.nn.Module, skeleton: torch.nn.Module, context: int = 64, reps: int = 7) -> dict[str, float]:
+    """Batch-1 decode step of ``model``, its weight matrices alone (:func:`weight_stream`), and
+    ``skeleton``'s step, timed in turn within each repetition so all three see the same load on a
+    shared machine; medians, plus the matrices' bytes."""
+    stream, nbytes = weight_stream(model, 1)
+    fns = {"step_s": _decode_step(model, 1, context), "stream_s": stream, "overhead_s": _decode_step(skeleton, 1, context)}
+    for fn in fns.values():
+        time_reps(fn, model.device, 2, 0)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            times[k] += time_reps(fn, model.device, 0, 1)
+    return {**{k: statistics.median(v) for k, v in times.items()}, "stream_bytes": float(nbytes)}
 
 
 def measure_points(model: torch.nn.Module, roof: Roof, prefill_lengths: tuple[int, ...] = (16, 64, 256),
@@ -179,8 +204,7 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
     small = load_model(resolve_model_path(model_path), device=dev, dtype=model_dtype)
     points = measure_points(small, roof, prefill_lengths, decode_batches, context, reps=3, label="smollm2-135m")
     skeleton = random_model(overhead_model(small.config), device=dev, dtype=model_dtype)
-    overhead_s = time_decode(skeleton, 1, context, reps=7)
-    stream_s, stream_bytes = time_weight_stream(small, 1, reps=7)
+    bd = decode_breakdown(small, skeleton, context, reps=5 if quick else 9)
     params = sum(p.numel() for p in small.parameters())
     del small
 
@@ -199,9 +223,10 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
         "dtype": _dtype_name(model_dtype),
         "threads": torch.get_num_threads(),
         "context": context,
-        "overhead_s": overhead_s,
-        "stream_s": stream_s,
-        "stream_bytes": stream_bytes,
+        "overhead_s": bd["overhead_s"],
+        "stream_s": bd["stream_s"],
+        "stream_bytes": int(bd["stream_bytes"]),
+        "decode1_s": bd["step_s"],
         "smollm2_params": params,
         "overhead_model": overhead_model(get_config("smollm2-135m")).name,
         "points": [{**p.__dict__, "ratio": p.ratio} for p in points],
@@ -217,6 +242,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"  torch threads: {r['threads']}")
     lines.append(f"  ridge at {r['dtype']}: {r['roof']['ridge']:.1f} FLOP/byte")
     lines.append(f"  fixed cost of one decode step (SmolLM2's 30 layers, no width): {r['overhead_s'] * 1e3:.2f} ms")
+    lines.append(f"  SmolLM2 decode step at batch 1, timed in turn with the two below: {r['decode1_s'] * 1e3:.2f} ms")
     lines.append(f"  SmolLM2's weight matrices alone, batch 1: {r['stream_s'] * 1e3:.2f} ms for "
                  f"{r['stream_bytes'] / 1e6:.0f} MB ({fmt_si(r['stream_bytes'] / r['stream_s'], 'B/s')})")
     lines.append("")
