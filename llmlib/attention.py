@@ -202,7 +202,7 @@ class Attention(nn.Module):
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, D] -> q [B, H, T, hd], k and v [B, Hkv, T, hd], with RoPE applied to q and k."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        q, k, v = F.linear(x, self.wqkv.weight).split(self.splits, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -218,7 +218,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache.update(self.layer_idx, k, v, positions)
         out = ATTENTION_BACKENDS[self.backend](q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return F.linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.wo.weight)
 
 
 # ---- looking inside: attention probabilities of a real model ----------------------------------
