@@ -294,3 +294,16 @@ def test_full_corpus_vocab_4096_identical_to_tokenizers(tmp_path):
     ours = [tok.encode(p) for p in paragraphs]
     theirs = [e.ids for e in hf.encode_batch(paragraphs, add_special_tokens=False)]
     assert ours == theirs
+
+
+def test_bench_bpe_runs_small(tmp_path, corpus: str, capsys):
+    """`llmlib bench bpe` end to end on a small corpus: figures present, libraries agree."""
+    from llmlib.bench import bpe
+
+    small = tmp_path / "small.txt"
+    small.write_text(corpus[:30_000], encoding="utf-8")
+    assert bpe.main(["--corpus", str(small), "--vocab-size", "400", "--repeats", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["train"]["same_merges"] is True and res["train"]["ratio"] > 0
+    for row in res["encode"].values():
+        assert row["identical"] is True and row["llmlib_mb_s"] > 0

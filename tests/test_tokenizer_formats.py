@@ -130,7 +130,7 @@ def test_smollm2_metadata(smol):
     assert smol.bos_id == 1 and smol.eos_id == 2
     assert smol.special_tokens["<|im_start|>"] == 1 and smol.special_tokens["<|im_end|>"] == 2
     assert smol.special_tokens["<|endoftext|>"] == 0 and len(smol.special_tokens) == 17
-    assert smol.pattern_name == "smollm2"
+    assert smol.pattern_name == "smollm2" and smol.add_bos is False  # GGUF: add_bos_token = false
     assert smol.chat_template and "<|im_start|>" in smol.chat_template
 
 

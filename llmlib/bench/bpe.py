@@ -44,10 +44,18 @@ def _cl100k_path() -> Path | None:
 
 
 def run(corpus: Path = DEFAULT_CORPUS, vocab_size: int = 4096, repeats: int = 3, pattern: str = "gpt4",
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the benchmark; returns the figures as a dict (printing progress through ``log``)."""
+        log: Callable[[str], None] = print, tokenizers_threads: int = 1) -> dict[str, Any]:
+    """Run the benchmark; returns the figures as a dict (printing progress through ``log``).
+
+    ``tokenizers_threads`` sizes the Rust thread pool of ``tokenizers`` (its trainer counts pairs
+    in parallel; 0 = one thread per core). It must be set before ``tokenizers`` is first imported.
+    Encoding with ``tokenizers`` is kept on one thread either way (TOKENIZERS_PARALLELISM=false).
+    """
     if "tokenizers" not in sys.modules:
-        os.environ.setdefault("RAYON_NUM_THREADS", "1")
+        if tokenizers_threads > 0:
+            os.environ["RAYON_NUM_THREADS"] = str(tokenizers_threads)
+        else:
+            os.environ.pop("RAYON_NUM_THREADS", None)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # encode_batch stays on one thread
     import tokenizers
     from tokenizers import Regex, models, pre_tokenizers, trainers
@@ -58,7 +66,7 @@ def run(corpus: Path = DEFAULT_CORPUS, vocab_size: int = 4096, repeats: int = 3,
     text = Path(corpus).read_text(encoding="utf-8")
     mb = len(text.encode("utf-8")) / 1e6
     res: dict[str, Any] = {"corpus_mb": round(mb, 3), "vocab_size": vocab_size, "repeats": repeats,
-                           "rayon_threads": os.environ.get("RAYON_NUM_THREADS", "default")}
+                           "rayon_threads": os.environ.get("RAYON_NUM_THREADS", f"default ({os.cpu_count()} cores)")}
     log(f"corpus {corpus.name}: {mb:.2f} MB; vocab {vocab_size}; medians of {repeats}; "
         f"RAYON_NUM_THREADS={res['rayon_threads']}")
 
@@ -132,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pattern", default="gpt4", help="pre-tokenizer pattern name or regex")
+    ap.add_argument("--tokenizers-threads", type=int, default=1,
+                    help="threads for tokenizers' trainer (RAYON_NUM_THREADS; 0 = all cores); default 1")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     if not args.corpus.is_file():
         print(f"llmlib bench bpe: no corpus at {args.corpus}", file=sys.stderr)
         return 2
     res = run(args.corpus, args.vocab_size, args.repeats, args.pattern,
-              log=(lambda s: None) if args.json else print)
+              log=(lambda s: None) if args.json else print, tokenizers_threads=args.tokenizers_threads)
     if args.json:
         print(json.dumps(res, indent=2))
     return 0

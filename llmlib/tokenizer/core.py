@@ -49,6 +49,8 @@ class Tokenizer:
             and Llama-3 do this; for a vocabulary built by merges it changes nothing).
         merge_ranks: instead of ``merges``, an explicit ``(left, right) -> (rank, merged id)``
             table (tiktoken files, where one token may be reachable by several splits).
+        bos_id, eos_id, chat_template, add_bos: what the model around the tokenizer expects
+            (read from GGUF metadata or ``tokenizer_config.json``).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class Tokenizer:
         eos_id: int | None = None,
         chat_template: str | None = None,
         name: str | None = None,
+        add_bos: bool = False,
     ) -> None:
         special_tokens = dict(special_tokens or {})
         self.pattern: str = resolve_pattern(pattern)
@@ -75,6 +78,9 @@ class Tokenizer:
         self.eos_id = eos_id
         self.chat_template = chat_template
         self.name = name
+        # whether the model expects ``bos_id`` in front of every prompt (GGUF's
+        # tokenizer.ggml.add_bos_token); encode() never adds it, the caller does
+        self.add_bos = add_bos
 
         size = 1 + max([*vocab, *special_tokens.values()], default=-1)
         self._id_to_bytes: list[bytes | None] = [None] * size

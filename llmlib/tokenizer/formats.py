@@ -185,6 +185,7 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
             raise ValueError(f"{str(p)!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
 
     bos = eos = template = None
+    add_bos = False
     cfg_path = p.with_name("tokenizer_config.json")
     if cfg_path.is_file():
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -196,8 +197,9 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
 
         bos, eos = tid("bos_token"), tid("eos_token")
         template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
+        add_bos = bool(cfg.get("add_bos_token", False))
     return Tokenizer(vocab, merges, pattern, specials, ignore_merges=bool(model.get("ignore_merges")),
-                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name)
+                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name, add_bos=add_bos)
 
 
 def load_tiktoken(path: str | os.PathLike[str], pattern: str | None = None,
@@ -247,10 +249,11 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """
     p = Path(path)
     st = p.stat()
-    vocab, merges, specials, pre, bos, eos, template = _read_gguf_tokenizer(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    vocab, merges, specials, pre, bos, eos, template, add_bos = _read_gguf_tokenizer(
+        str(p.resolve()), st.st_mtime_ns, st.st_size)
     pattern, ignore_merges = GGUF_PRE[pre]
     return Tokenizer(vocab, merges, pattern, specials, ignore_merges=ignore_merges,
-                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name)
+                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name, add_bos=add_bos)
 
 
 @functools.lru_cache(maxsize=4)
@@ -298,7 +301,7 @@ def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
             raise ValueError(f"{path!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
     bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
     return (vocab, merges, specials, pre, None if bos is None else int(bos), None if eos is None else int(eos),
-            field("tokenizer.chat_template"))
+            field("tokenizer.chat_template"), bool(field("tokenizer.ggml.add_bos_token", False)))
 
 
 __all__ = ["load_tokenizer", "save_tokenizer", "load_hf_json", "load_tiktoken", "load_gguf", "PATTERNS"]
