@@ -307,3 +307,30 @@ def test_bench_bpe_runs_small(tmp_path, corpus: str, capsys):
     assert res["train"]["same_merges"] is True and res["train"]["ratio"] > 0
     for row in res["encode"].values():
         assert row["identical"] is True and row["llmlib_mb_s"] > 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.sampled_from(["the", " the", " cat", "cat", "at", " hat", "aaaa", "abab", " ", "  ", "\n",
+                                       "ü", "日本", "🤖", "12", "!!", "ab", "ba", "aab", "abb"]), min_size=1, max_size=60),
+       vocab=st.integers(257, 330), min_frequency=st.integers(1, 3), pattern=st.sampled_from(["gpt2", "gpt4", "smollm2"]))
+def test_merges_equal_tokenizers_trainer_random(parts, vocab, min_frequency, pattern):
+    """Tiny corpora are full of ties: the documented tie-break must match tokenizers' exactly."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    from llmlib.tokenizer.pretokenize import to_onig
+
+    text = "".join(parts)
+    ours = train_bpe(text, vocab, pattern=pattern, min_frequency=min_frequency, progress=False)
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(to_onig(pattern)), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.train_from_iterator([text], trainer=trainers.BpeTrainer(
+        vocab_size=vocab, min_frequency=min_frequency, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    enc = llmlib.tokenizer.bytes_to_unicode()
+    hf_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                 for m in json.loads(hf.to_str())["model"]["merges"]]
+    ours_merges = [("".join(enc[c] for c in ours.id_to_bytes(a)), "".join(enc[c] for c in ours.id_to_bytes(b)))
+                   for a, b in ours.merge_list()]
+    assert ours_merges == hf_merges
