@@ -170,6 +170,10 @@ class Tokenizer:
             ids[best_i:best_i + 2] = [best_id]
         return ids
 
+    def clear_cache(self) -> None:
+        """Forget the encoded pre-tokens (for cold-start timing; results never depend on it)."""
+        self._cache.clear()
+
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode ``text`` treating special-token text as ordinary text."""
         if not isinstance(text, str):
