@@ -450,8 +450,13 @@ def create_app(engine: Any, model_name: str, *, tokenizer: Any = None, context_l
         return error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "in_flight": app.state.in_flight}
+    async def health() -> Any:
+        thread = getattr(client.engine, "_thread", None)  # AsyncLLM's stepping thread, once started
+        if thread is not None and not thread.is_alive():
+            return error(APIError(503, "the engine's thread has stopped", code="engine_stopped"))
+        failure = getattr(client.engine, "error", None)  # the last exception a step raised, if any
+        return {"status": "ok", "in_flight": app.state.in_flight,
+                "last_engine_error": None if failure is None else repr(failure)}
 
     @app.get("/v1/models")
     async def models() -> dict:
