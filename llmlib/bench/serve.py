@@ -310,6 +310,7 @@ def format_row(m: dict[str, Any]) -> str:
 def plot(results: list[dict[str, Any]], path: str | os.PathLike | None = None, title: str = "") -> Any:
     """Latency (TTFT, TPOT, ITL p99) and throughput against the load level: the serving trade-off."""
     import matplotlib
+    import matplotlib.ticker
 
     if path is not None:
         matplotlib.use("Agg", force=False) if "matplotlib.pyplot" not in sys.modules else None
@@ -332,6 +333,9 @@ def plot(results: list[dict[str, Any]], path: str | os.PathLike | None = None, t
     a.legend()
     b.plot(xs, [m["output_throughput"] for m in rows], "o-", color="C3")
     b.set_xscale("log", base=2)
+    for ax in (a, b):  # the levels themselves as ticks, not powers of two
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     b.set_xlabel(xlabel)
     b.set_ylabel("output tokens / s")
     b.set_title("throughput of the server")
