@@ -368,7 +368,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmlib generate", description="Generate text from a prompt (streams by default).")
     ap.add_argument("prompt", help="the prompt text")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the model's chat template (the default when the model has one)")
+    mode.add_argument("--no-chat", dest="chat", action="store_false", help="feed the prompt as raw text")
     ap.add_argument("--no-stream", action="store_true", help="print the text only when done")
     ap.add_argument("--quiet", action="store_true", help="no timing line on stderr")
     add_model_args(ap)
@@ -380,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         gen = load(args.model, args.device, args.dtype)
-        kw = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling_kwargs(args))
+        # An instruction-tuned model answers a bare question badly (SmolLM2's first greedy token
+        # after one is its end-of-turn token), so chat is the default whenever a template exists.
+        chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
+        kw = dict(max_new_tokens=args.max_new_tokens, chat=chat, **sampling_kwargs(args))
         if args.no_stream:
             out = gen.generate(args.prompt, **kw)
             print(out.text)

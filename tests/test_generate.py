@@ -213,6 +213,28 @@ def test_chat_drops_old_turns_when_the_context_is_full():
     assert len(gen.last_result.prompt_ids) < 64 and len(history) < 12 and history[-1]["content"] == "ok"
 
 
+@pytest.mark.parametrize("extra", [[], ["--no-stream"], ["--no-chat"], ["--chat", "--temperature", "0.7", "--top-p", "0.9"]])
+def test_cli(monkeypatch, capsys, extra):
+    import llmlib.generate as G
+
+    gen, _ = scripted("Hi 😀", eos=True)
+    monkeypatch.setattr(G, "load", lambda *a, **k: gen)
+    assert G.main(["hello", "--max-new-tokens", "20", *extra]) == 0
+    out = capsys.readouterr()
+    assert out.out == "Hi 😀\n" and "finish=stop" in out.err
+    chat = "--no-chat" not in extra  # the default is the chat template when the tokenizer has one
+    assert gen.last_result.prompt == ("<user>hello\n<assistant>" if chat else "hello")
+
+
+@pytest.mark.parametrize("bad", [["--temperature", "-1"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--top-k", "0"]])
+def test_cli_rejects_bad_parameters(monkeypatch, capsys, bad):
+    import llmlib.generate as G
+
+    monkeypatch.setattr(G, "load", lambda *a, **k: pytest.fail("must fail before loading the model"))
+    assert G.main(["hello", *bad]) == 2
+    assert "error" in capsys.readouterr().err
+
+
 # ---- against transformers on random-weight Llama models ---------------------------------------
 
 def _hf_llama(**overrides):

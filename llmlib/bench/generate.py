@@ -1,7 +1,7 @@
 """``llmlib bench generate``: decode speed at batch 1, llmlib against transformers, in one run.
 
 Both load the same SmolLM2 GGUF in float32 on the CPU and generate the same number of new tokens
-greedily from the same prompt ids (transformers with ``min_new_tokens`` so it cannot stop early,
+greedily from the same prompt ids (the question in SmolLM2's chat template) (transformers with ``min_new_tokens`` so it cannot stop early,
 llmlib with ``ignore_eos``). Runs alternate between the two so a noisy neighbour on this shared
 machine slows both alike; we report medians and their ratio.
 """
@@ -43,7 +43,9 @@ def run(model_path: str | None = None, new_tokens: int = 64, runs: int = 3, thre
     hf_logging.set_verbosity_error()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
-    ids = gen.encode_prompt(prompt)[1]
+    # the chat template, as a user would ask (SmolLM2-Instruct's first greedy token after the bare
+    # question is its end-of-turn token, so the raw prompt would measure a continuation past it)
+    ids = gen.encode_prompt(prompt, chat=True)[1]
     ids_t = torch.tensor([ids])
 
     def ours() -> list[int]:
