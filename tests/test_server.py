@@ -317,11 +317,11 @@ def test_32_concurrent_streaming_clients(server, engine):
 def test_bench_serve_metrics(server, tmp_path):
     out = tmp_path / "serve.json"
     png = tmp_path / "serve.png"
-    rc = bench_serve.main(["--url", server.url, "--concurrency", "1,4", "--num-prompts", "4", "--max-tokens", "6",
-                           "--prompt-words", "12", "--json", str(out), "--plot", str(png)])
+    rc = bench_serve.main(["--url", server.url, "--concurrency", "1,4", "--rates", "40", "--num-prompts", "4",
+                           "--max-tokens", "6", "--prompt-words", "12", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     rep = json.loads(out.read_text())
-    assert [m["concurrency"] for m in rep["results"]] == [1, 4]
+    assert [(m["concurrency"], m["request_rate"]) for m in rep["results"]] == [(1, None), (4, None), (None, 40.0)]
     for m in rep["results"]:
         assert m["completed"] == 4 and m["failed"] == 0
         assert m["total_output_tokens"] == 4 * 6
