@@ -213,6 +213,8 @@ class Generator:
         text_prompt, prompt_ids = self.encode_prompt(prompt, chat=chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens): nothing to continue from")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
+            raise ValueError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}, got {min(prompt_ids)}..{max(prompt_ids)}")
         if len(prompt_ids) >= self.max_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_len}: "

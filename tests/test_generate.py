@@ -140,6 +140,8 @@ def test_empty_prompt_and_bad_prompt_type():
         gen.generate("")
     with pytest.raises(TypeError, match="prompt"):
         gen.generate(3.5)
+    with pytest.raises(ValueError, match="token ids"):
+        gen.generate([5, 300])
 
 
 def test_chat_uses_the_template():
