@@ -745,10 +745,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--served-model-name", default=None, help="the model id clients must send (default: file name)")
     ap.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy, shared CPU)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     if args.max_queue < 1:
         ap.error("--max-queue must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"llmlib serve: warning: binding {args.host}; anyone who can reach it can use this model",
               flush=True)

@@ -353,3 +353,5 @@ def test_serve_cli_rejects_bad_args():
         serve_main(["--max-queue", "0"])
     with pytest.raises(SystemExit):
         serve_main(["--port", "not-a-port"])
+    with pytest.raises(SystemExit):
+        serve_main(["--threads", "0"])

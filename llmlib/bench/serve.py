@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 2x the level, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
     ap.add_argument("--prompt-words", type=int, default=48, help="about how many words per prompt")
+    ap.add_argument("--threads", type=int, default=None, help="passed to the server it starts (torch CPU threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the metrics to this file")
     ap.add_argument("--plot", default=None, help="save the figure to this file (.png)")
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         print("llmlib bench serve: starting llmlib serve on 127.0.0.1 ...", flush=True)
-        server = ServerProcess(args.model, args.device, args.dtype).start()
+        extra = ["--threads", str(args.threads)] if args.threads else []
+        server = ServerProcess(args.model, args.device, args.dtype, extra=extra).start()
         url = server.url
     try:
         print(HEADER, flush=True)
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     report = {"benchmark": "serve", "url": url, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
+              "server_threads": args.threads,
               "machine": machine_info(args.device),
               "definitions": "vLLM benchmark_serving: TTFT to first text; TPOT=(latency-TTFT)/(out-1); "
                              "ITL=gaps between streamed pieces, pooled",
