@@ -118,15 +118,44 @@ class GenerationResult:
 
 # ---- the generator ---------------------------------------------------------------------------
 
-class Generator:
-    """One request at a time: a model, its tokenizer and a static KV cache reused across calls."""
+def use_decode_layout(model: torch.nn.Module) -> int:
+    """Store every weight matrix column-major (same shape, same values); return how many changed.
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_len: int | None = None) -> None:
+    A decode step multiplies one activation row by every weight matrix: a matrix-vector product,
+    whose speed is the speed of streaming the weights from memory. For ``F.linear(x, W)`` with W
+    stored ``[out, in]`` row-major, this machine's MKL reaches about 12 GB/s; with the same W held as
+    the transpose of a contiguous ``[in, out]`` tensor (so ``W.t()`` is contiguous) it reaches about
+    16 GB/s, and twice that for the 113 MB LM head: a SmolLM2 decode step drops from ~52 to ~41 ms.
+    Parameter names, shapes and values are unchanged; only the strides differ (``state_dict()``
+    tensors become non-contiguous: call ``.contiguous()`` before saving them with safetensors).
+    A no-op for matrices already in that layout.
+    """
+    changed = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p.stride() != (1, p.shape[0]):
+                p.data = p.data.t().contiguous().t()
+                changed += 1
+    return changed
+
+
+class Generator:
+    """One request at a time: a model, its tokenizer and a static KV cache reused across calls.
+
+    On the CPU the model's weight matrices are switched to the column-major layout that makes
+    decode's matrix-vector products faster (:func:`use_decode_layout`); ``decode_layout=False``
+    leaves the model untouched.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_len: int | None = None,
+                 decode_layout: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if decode_layout if decode_layout is not None else self.device.type == "cpu":
+            use_decode_layout(model)
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         eos = set(self.config.eos_token_ids or ())
         if tokenizer is not None and getattr(tokenizer, "eos_id", None) is not None:
