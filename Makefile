@@ -47,9 +47,10 @@ pages: venv
 	      $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium >/dev/null; }; }
 	$(BIN)/python -m pytest -q -m pages -p no:cacheprovider
 
-# The GPU check: tests and benchmarks on a CUDA machine, results under results/gpu/.
-gpu-check: venv
-	$(BIN)/python benchmarks/gpu_check.py --out results/gpu
+# The GPU check: tests and benchmarks on a CUDA machine, results under results/gpu/. It runs with
+# the machine's own Python (torch with CUDA already installed there, no network), not the venv.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py --out results/gpu
 
 gpu-check-dry: venv
 	$(BIN)/python benchmarks/gpu_check.py --dry-run --out /tmp/llmlib-gpu-check-dry

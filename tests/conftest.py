@@ -12,11 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "pages: screenshots of the built book (run after the build)")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped elsewhere)")
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from llmlib.fetch import fetch_model
