@@ -200,13 +200,21 @@ class Attention(nn.Module):
         register_fused_linear(self, "wqkv", [("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)])
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B, T, D] -> q [B, H, T, hd], k and v [B, Hkv, T, hd], with RoPE applied to q and k."""
+        """x [B, T, D] -> q [B, H, T, hd], k and v [B, Hkv, T, hd], with RoPE applied to q and k.
+
+        ``cos``/``sin`` are [B, 1, T, hd] as :class:`llmlib.rope.RotaryTables` gathers them.
+        """
         B, T, _ = x.shape
-        q, k, v = F.linear(x, self.wqkv.weight).split(self.splits, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        # One matmul gives every head's q, k and v side by side: [B, T, H + 2 Hkv, hd]. RoPE then runs
+        # once over the q and k heads together (the same rotation for every head of a token), so a
+        # decode step pays for one set of elementwise ops instead of two; the transposes are views.
+        qkv = F.linear(x, self.wqkv.weight).view(B, T, H + 2 * Hkv, hd)
+        qk = apply_rope(qkv[:, :, : H + Hkv], cos.transpose(1, 2), sin.transpose(1, 2))
+        q = qk[:, :, :H].transpose(1, 2)
+        k = qk[:, :, H:].transpose(1, 2)
+        v = qkv[:, :, H + Hkv :].transpose(1, 2)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

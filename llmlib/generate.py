@@ -142,9 +142,10 @@ def use_decode_layout(model: torch.nn.Module) -> int:
 class Generator:
     """One request at a time: a model, its tokenizer and a static KV cache reused across calls.
 
-    On the CPU the model's weight matrices are switched to the column-major layout that makes
-    decode's matrix-vector products faster (:func:`use_decode_layout`); ``decode_layout=False``
-    leaves the model untouched.
+    On the CPU each weight matrix is stored in the layout that makes decode's matrix-vector products
+    fastest (:func:`llmlib.loading.use_matvec_layout`; :func:`llmlib.loading.load_model` already
+    does this on CPU, so for a loaded model this is a no-op); ``decode_layout=False`` leaves the
+    model untouched.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_len: int | None = None,
@@ -155,7 +156,9 @@ class Generator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if decode_layout if decode_layout is not None else self.device.type == "cpu":
-            use_decode_layout(model)
+            from llmlib.loading import use_matvec_layout
+
+            use_matvec_layout(model)
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         eos = set(self.config.eos_token_ids or ())
         if tokenizer is not None and getattr(tokenizer, "eos_id", None) is not None:

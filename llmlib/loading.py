@@ -78,7 +78,95 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | 
     model.load_state_dict(state, strict=True, assign=True)
     model.rope.reset(device)  # the cos/sin tables are derived from the config, never loaded
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
+    if device.type == "cpu":
+        use_matvec_layout(model)
     return model.eval()
+
+
+def matvec_layout_is_column_major(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a ``[out, in]`` weight multiplies one vector faster stored column-major on a CPU.
+
+    A decode step is a matrix-vector product per weight, limited by how fast the weights stream from
+    memory. MKL streams long contiguous runs best: measured on this project's 2-core machine,
+    [3072, 576] (gate/up) reaches ~19 GB/s column-major against ~12 row-major, the [49152, 576] LM head
+    ~22 against ~12, while [576, 1536] (down) is the other way round, ~16 row-major against ~12.
+    So: make the longer dimension the contiguous one (ties: column-major, slightly faster for wo).
+    """
+    out_features, in_features = shape
+    return out_features >= in_features
+
+
+def _in_matvec_layout(p: torch.Tensor) -> bool:
+    if matvec_layout_is_column_major(p.shape):
+        return p.stride() == (1, p.shape[0])
+    return p.is_contiguous()
+
+
+_HUGE_PAGE = 2 << 20  # bytes in an x86-64 transparent huge page
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> bool:
+    """Ask Linux to back ``[ptr, ptr + nbytes)`` (2 MiB aligned, not yet touched) with huge pages."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(ptr, nbytes, 14) == 0  # 14 = MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        return False
+
+
+def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
+    """Re-store the weight matrices for fast decoding on a CPU; return how many were moved.
+
+    Two things make a batch-1 decode step (one matrix-vector product per weight, limited by how
+    fast the weights stream from memory) faster, with the same names, shapes and values:
+
+    * each matrix gets its faster layout (:func:`matvec_layout_is_column_major`);
+    * all matrices move into one buffer, in the order a forward pass reads them, that Linux is
+      asked to back with 2 MiB pages instead of 4 KiB ones (``madvise(MADV_HUGEPAGE)``): a step
+      touches ~0.5 GB, i.e. ~130,000 small pages and as many TLB misses; with huge pages, 260.
+      Measured here: the matrix products of a SmolLM2 step drop from ~29 to ~27 ms.
+
+    ``state_dict()`` still hands out contiguous tensors that own their memory
+    (:class:`llmlib.model.Transformer` copies the others), so saving with safetensors works.
+    A second call returns 0. Weights that are not on the CPU only get their layout changed.
+    """
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    if not mats or all(_in_matvec_layout(p) for p in mats):
+        return 0
+    dtypes = {p.dtype for p in mats}
+    on_cpu = all(p.device.type == "cpu" for p in mats)
+    with torch.no_grad():
+        if not (on_cpu and len(dtypes) == 1):
+            for p in mats:
+                if not _in_matvec_layout(p):
+                    p.data = p.data.t().contiguous().t() if matvec_layout_is_column_major(p.shape) else p.data.contiguous()
+            return len(mats)
+        dtype = mats[0].dtype
+        elt = torch.empty((), dtype=dtype).element_size()
+        step = 64 // elt  # start every matrix on a cache line
+        sizes = [-(-p.numel() // step) * step for p in mats]
+        total = sum(sizes)
+        pad = _HUGE_PAGE // elt
+        arena = torch.empty(total + pad, dtype=dtype)  # untouched memory: pages are allocated on first write
+        ptr = arena.data_ptr()
+        aligned = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+        if huge_pages:
+            _advise_huge_pages(aligned, (total * elt) // _HUGE_PAGE * _HUGE_PAGE)
+        offset = (aligned - ptr) // elt
+        for p, size in zip(mats, sizes):
+            out_f, in_f = p.shape
+            chunk = arena[offset : offset + p.numel()]
+            new = chunk.view(in_f, out_f).t() if matvec_layout_is_column_major(p.shape) else chunk.view(out_f, in_f)
+            new.copy_(p.data)
+            p.data = new
+            offset += size
+    return len(mats)
 
 
 def check_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:

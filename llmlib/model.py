@@ -36,6 +36,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
+        self.register_state_dict_post_hook(_contiguous_state)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None,
@@ -81,6 +82,20 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+
+def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    # On the CPU the loader re-stores the weight matrices for faster decoding: some column-major,
+    # all inside one shared buffer (llmlib.loading.use_matvec_layout); and the fused q/k/v and
+    # gate/up matrices are split on the way out, as views. Hand out contiguous tensors that own
+    # their memory instead, so a state dict saves with safetensors as it is (which refuses both
+    # non-contiguous and memory-sharing tensors). keep_vars=True still gets the Parameters.
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+            continue
+        owns = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if not (t.is_contiguous() and owns):
+            state_dict[key] = t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
