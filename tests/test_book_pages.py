@@ -42,6 +42,13 @@ def _screenshot(page: Path, out: Path) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
 
 
+def _dom_after_scripts(page: Path) -> str:
+    """The page's DOM once its scripts (MathJax among them) have run."""
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--virtual-time-budget=8000", "--dump-dom", page.as_uri()]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
 def _visible_text(markup: str) -> str:
     markup = re.sub(r"(?is)<(script|style)\b.*?</\1>", " ", markup)
     return html.unescape(re.sub(r"(?s)<[^>]+>", " ", markup))
@@ -58,6 +65,16 @@ def test_chapter_page_renders(nb: Path) -> None:
     assert "Traceback (most recent call last)" not in text, f"{page.name} shows a Python traceback"
     for cls in ("output_error", "output traceback", "nb-output-error", "system-message"):
         assert f'class="{cls}' not in markup and f' {cls}"' not in markup, f"{page.name} shows an error box ({cls})"
+
+    # Nothing is fetched from the network: the book must read the same offline.
+    remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(https?://[^"]+)"', markup)
+    assert not [u for u in remote if re.search(r"\.(js|css|png|jpe?g|svg|woff2?)(\?|$)", u)], (
+        f"{page.name} loads assets from the network: {remote}")
+
+    # Math is typeset (MathJax is served locally), not left as raw TeX.
+    if "\\(" in markup or "\\[" in markup or 'class="math' in markup:
+        dom = _dom_after_scripts(page)
+        assert "mjx-container" in dom, f"{page.name}: its math was not typeset (is MathJax loading?)"
 
     # Every image it references exists and decodes to a non-empty picture.
     import matplotlib.image as mpimg
