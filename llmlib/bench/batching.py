@@ -10,6 +10,12 @@ work):
   the longest output, every row computed until the batch's longest request is done;
 * continuous — :class:`~llmlib.engine.LLM` over the paged cache, at most ``--max-num-seqs`` at once.
 
+Static and continuous get the same KV memory (``--kv-budget-tokens`` positions per layer), which
+is the comparison that matters to a server: a static batch must reserve room for the longest
+possible request in every slot (``max prompt + max output`` positions), so the budget fixes its
+batch size; the paged engine hands the same memory out block by block as sequences actually grow,
+so more sequences fit, and it preempts when they do not. ``--static-batch`` overrides the size.
+
 Printed: output tokens per second of each, the ratios, and the KV memory allocated but unused
 (averaged over steps): for the paged cache, the empty tails of last blocks among the blocks in use;
 for the static cache, everything in the batch's preallocation not holding a real token (padding,
@@ -119,10 +125,10 @@ def run_sequential(model: Any, tokenizer: Any, requests: list[Request]) -> dict[
 
 
 def run_continuous(model: Any, tokenizer: Any, requests: list[Request], max_num_seqs: int, block_size: int,
-                   max_num_batched_tokens: int) -> dict[str, Any]:
+                   max_num_batched_tokens: int, num_blocks: int | None = None) -> dict[str, Any]:
     from llmlib.engine import LLM
 
-    llm = LLM(model, tokenizer, max_num_seqs=max_num_seqs, block_size=block_size,
+    llm = LLM(model, tokenizer, max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     t0 = time.perf_counter()
@@ -133,15 +139,31 @@ def run_continuous(model: Any, tokenizer: Any, requests: list[Request], max_num_
             "pool_blocks": st.num_blocks, "peak_used_blocks": st.peak_used_blocks}
 
 
-def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: int = 16, max_num_seqs: int = 64,
+def static_batch_for_budget(requests: list[Request], kv_budget_tokens: int) -> int:
+    """How many slots a static cache of ``kv_budget_tokens`` positions holds when every slot must be
+    ready for the longest request of the workload (longest prompt + longest output)."""
+    worst = max(len(r.prompt_ids) for r in requests) + max(r.max_tokens for r in requests)
+    return max(1, kv_budget_tokens // worst)
+
+
+def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: int | None = None, max_num_seqs: int = 64,
           block_size: int = 16, max_num_batched_tokens: int = 512, sequential_subset: int | None = None,
-          log=print) -> dict[str, Any]:
+          kv_budget_tokens: int | None = 8192, log=print) -> dict[str, Any]:
     """Run all three modes on ``requests``; return tokens/s, ratios and waste.
 
-    ``sequential_subset`` times the sequential mode on the first k requests only (it is by far the
-    slowest) and reports its tokens/s from those; the batched modes always run everything.
+    ``kv_budget_tokens`` gives static and continuous batching the same KV memory: the paged pool
+    has ``kv_budget_tokens // block_size`` blocks, and the static batch size is what that memory
+    holds at the workload's worst case (unless ``static_batch`` is given). ``None``: the engine's
+    default pool. ``sequential_subset`` times the sequential mode on the first k requests only (it
+    is by far the slowest) and reports its tokens/s from those; the batched modes run everything.
     """
+    num_blocks = None if kv_budget_tokens is None else kv_budget_tokens // block_size
+    if static_batch is None:
+        static_batch = static_batch_for_budget(requests, kv_budget_tokens) if kv_budget_tokens else 16
     total = sum(r.max_tokens for r in requests)
+    if kv_budget_tokens:
+        log(f"KV budget for both batched modes: {kv_budget_tokens} positions per layer "
+            f"({num_blocks} blocks of {block_size}; static batch {static_batch})")
     seq_reqs = requests[:sequential_subset] if sequential_subset else requests
     log(f"{len(requests)} requests, {total} output tokens; sequential on {len(seq_reqs)}")
     seq = run_sequential(model, tokenizer, seq_reqs)
@@ -150,7 +172,7 @@ def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: 
     sta = run_static(model, requests, static_batch)
     sta_tps = total / sta["seconds"]
     log(f"  static  B={static_batch:<3} {sta_tps:7.1f} tok/s  ({sta['seconds']:.1f} s), KV allocated but unused {sta['waste']:.1%}")
-    con = run_continuous(model, tokenizer, requests, max_num_seqs, block_size, max_num_batched_tokens)
+    con = run_continuous(model, tokenizer, requests, max_num_seqs, block_size, max_num_batched_tokens, num_blocks)
     con_tps = total / con["seconds"]
     log(f"  continuous   {con_tps:8.1f} tok/s  ({con['seconds']:.1f} s), KV allocated but unused {con['waste']:.1%}"
         f" (block size {block_size}), preemptions {con['stats'].preemptions}")
@@ -160,6 +182,7 @@ def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: 
     return {
         "num_requests": len(requests), "output_tokens": total, "threads": torch.get_num_threads(),
         "static_batch": static_batch, "max_num_seqs": max_num_seqs, "block_size": block_size,
+        "kv_budget_tokens": kv_budget_tokens,
         "tokens_per_s": {"sequential": seq_tps, "static": sta_tps, "continuous": con_tps},
         "seconds": {"sequential": seq["seconds"], "static": sta["seconds"], "continuous": con["seconds"]},
         "ratio_continuous_vs_sequential": con_tps / seq_tps,
@@ -179,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(20, 200), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    ap.add_argument("--static-batch", type=int, default=16, help="batch size of the static baseline")
+    ap.add_argument("--kv-budget-tokens", type=int, default=8192,
+                    help="KV positions per layer given to both static and continuous batching (0: engine default pool)")
+    ap.add_argument("--static-batch", type=int, default=None,
+                    help="batch size of the static baseline (default: what the KV budget holds at the worst case)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="most sequences the continuous engine runs at once")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -201,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = make_requests(args.num_requests, model.config.vocab_size, args.seed, tuple(args.prompt_len),
                          tuple(args.output_len))
     res = bench(model, tok, reqs, static_batch=args.static_batch, max_num_seqs=args.max_num_seqs,
+                kv_budget_tokens=args.kv_budget_tokens or None,
                 block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                 sequential_subset=args.sequential_subset, log=log)
     if args.json:
