@@ -35,6 +35,7 @@ from llmlib.block_manager import BlockManager
 from llmlib.paged_cache import PagedKVCache, SeqChunk
 from llmlib.sampling import SamplingParams, sample
 from llmlib.scheduler import ScheduledChunk, Scheduler, Sequence
+from llmlib.stopping import find_stop, held_back
 
 
 # ---- results --------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class _Request:
     def output(self, final_reason: str | None = None) -> RequestOutput:
         s = self.seq
         reason = final_reason or s.finish_reason
-        visible = len(self.text) if reason is not None else len(self.text) - _held_back(self.text, self.params.stop)
+        visible = len(self.text) if reason is not None else len(self.text) - held_back(self.text, self.params.stop)
         visible = max(visible, self.emitted)
         delta = self.text[self.emitted:visible]
         self.emitted = visible
@@ -232,27 +233,6 @@ class _Request:
         )
         return RequestOutput(self.request_id, self.prompt, list(s.prompt_token_ids), self.text[:visible],
                              list(out_ids), reason, m, delta, delta_ids)
-
-
-def _find_stop(text: str, stops: Seq[str], new_from: int) -> int | None:
-    """Earliest index where a stop string starts, searching only where the new piece could finish one."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stops: Seq[str]) -> int:
-    """Trailing characters that might be the start of a stop string: not safe to stream yet."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -446,7 +426,7 @@ class LLM:
             piece = req.decoder.decode(self.tokenizer.id_to_bytes(tok))
             req.text += piece
             if req.params.stop:
-                hit = _find_stop(req.text, req.params.stop, len(req.text) - len(piece))
+                hit = find_stop(req.text, req.params.stop, len(req.text) - len(piece))
                 if hit is not None:
                     req.text = req.text[:hit]  # the stop string itself is not part of the text
                     req.stopped = True

@@ -31,6 +31,7 @@ import torch
 
 from llmlib.kv_cache import KVCache
 from llmlib.sampling import SamplingParams, sample
+from llmlib.stopping import find_stop, held_back
 
 Message = dict[str, str]
 
@@ -274,12 +275,12 @@ class Generator:
             piece = decoder.decode(raw)
             text += piece
             if stops:
-                hit = _find_stop(text, stops, len(text) - len(piece))
+                hit = find_stop(text, stops, len(text) - len(piece))
                 if hit is not None:
                     text, hit_stop_string = text[:hit], True
                     result.finish_reason = "stop"
                     break
-            safe = len(text) - _held_back(text, stops)
+            safe = len(text) - held_back(text, stops)
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
@@ -325,27 +326,6 @@ class Generator:
         params = self._params(temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, ignore_eos)
         # check and tokenize now, so a bad request fails at the call, not at the first next()
         return self._run(*self._prepare(prompt, max_new_tokens, params, chat), params)
-
-
-def _find_stop(text: str, stops: Sequence[str], new_from: int) -> int | None:
-    """Earliest index where a stop string starts, looking only where the newest piece could complete one."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters could still be the start of a stop string (not safe to emit yet)."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
 
 
 def timed_run(gen: Generator, prompt: str, max_new_tokens: int = 32, chat: bool = False) -> GenerationResult:
