@@ -119,29 +119,6 @@ class GenerationResult:
 
 # ---- the generator ---------------------------------------------------------------------------
 
-def use_decode_layout(model: torch.nn.Module) -> int:
-    """Store every weight matrix column-major (same shape, same values); return how many changed.
-
-    A decode step multiplies one activation row by every weight matrix: a matrix-vector product,
-    whose speed is the speed of streaming the weights from memory. For ``F.linear(x, W)`` with W
-    stored ``[out, in]`` row-major, this machine's MKL reaches about 12 GB/s; with the same W held as
-    the transpose of a contiguous ``[in, out]`` tensor (so ``W.t()`` is contiguous) it reaches about
-    16 GB/s, and twice that for the 113 MB LM head: a SmolLM2 decode step drops from ~52 to ~41 ms.
-    Parameter names, shapes and values are unchanged; only the strides differ (``state_dict()``
-    tensors become non-contiguous: call ``.contiguous()`` before saving them with safetensors).
-    A no-op for matrices already in that layout. (The Generator and the loader now use the finer
-    :func:`llmlib.loading.use_matvec_layout`, which picks the layout per matrix and keeps the
-    row-major ones where those stream faster; this all-column-major version stays for the book.)
-    """
-    changed = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2 and p.stride() != (1, p.shape[0]):
-                p.data = p.data.t().contiguous().t()
-                changed += 1
-    return changed
-
-
 class Generator:
     """One request at a time: a model, its tokenizer and a static KV cache reused across calls.
 

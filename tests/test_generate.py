@@ -335,7 +335,7 @@ def test_smollm2_stream_equals_generate(smollm2):
 
 
 def test_decode_layout_keeps_values_and_outputs():
-    from llmlib.generate import use_decode_layout
+    from llmlib.loading import _in_matvec_layout, use_matvec_layout
     from llmlib.model import random_model
 
     cfg = ModelConfig(name="t", vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -343,9 +343,9 @@ def test_decode_layout_keeps_values_and_outputs():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ref = Generator(model, ByteTokenizer(), decode_layout=False).generate([1, 2, 3], max_new_tokens=16, ignore_eos=True)
     assert all(p.is_contiguous() for p in model.parameters())  # decode_layout=False leaves the model alone
-    assert use_decode_layout(model) > 0 and use_decode_layout(model) == 0  # idempotent
+    assert use_matvec_layout(model) > 0 and use_matvec_layout(model) == 0  # idempotent
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # same names, shapes and values
-    assert all(p.dim() != 2 or p.t().is_contiguous() for p in model.parameters())
+    assert all(p.dim() != 2 or _in_matvec_layout(p) for p in model.parameters())
     out = Generator(model, ByteTokenizer()).generate([1, 2, 3], max_new_tokens=16, ignore_eos=True)
     assert out.token_ids == ref.token_ids
