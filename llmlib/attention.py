@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlib.config import ModelConfig
+from llmlib.linear import linear
 from llmlib.rope import apply_rope
 
 
@@ -185,7 +186,9 @@ class Attention(nn.Module):
     The cache hook: with ``cache`` given, after computing the new k and v (RoPE already applied to
     k) the layer calls ``cache.update(layer_idx, k, v, positions)`` and attends over whatever keys
     and values the cache hands back, under the mask it hands back. A static cache, a paged cache or
-    a test double all plug in here; the layer never knows which.
+    a test double all plug in here; the layer never knows which. A cache may instead offer
+    ``cache.attend(layer_idx, q, k, v, attention)`` and compute the attention itself with the
+    layer's function: the paged engine does, to attend sequence by sequence in a packed batch.
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, device: torch.device | str | None = None):
@@ -209,7 +212,7 @@ class Attention(nn.Module):
         # One matmul gives every head's q, k and v side by side: [B, T, H + 2 Hkv, hd]. RoPE then runs
         # once over the q and k heads together (the same rotation for every head of a token), so a
         # decode step pays for one set of elementwise ops instead of two; the transposes are views.
-        qkv = F.linear(x, self.wqkv.weight).view(B, T, H + 2 * Hkv, hd)
+        qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hkv, hd)
         qk = apply_rope(qkv[:, :, : H + Hkv], cos.transpose(1, 2), sin.transpose(1, 2))
         q = qk[:, :, :H].transpose(1, 2)
         k = qk[:, :, H:].transpose(1, 2)
@@ -222,11 +225,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        mask = None  # None: plain causal over these T tokens
-        if cache is not None:
-            k, v, mask = cache.update(self.layer_idx, k, v, positions)
-        out = ATTENTION_BACKENDS[self.backend](q, k, v, mask)
-        return F.linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.wo.weight)
+        attention = ATTENTION_BACKENDS[self.backend]
+        if cache is not None and hasattr(cache, "attend"):
+            # A cache that knows which sequence each token belongs to (the paged engine's) runs
+            # attention itself, sequence by sequence, with this layer's attention function.
+            out = cache.attend(self.layer_idx, q, k, v, attention)
+        else:
+            mask = None  # None: plain causal over these T tokens
+            if cache is not None:
+                k, v, mask = cache.update(self.layer_idx, k, v, positions)
+            out = attention(q, k, v, mask)
+        return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.wo.weight)
 
 
 # ---- looking inside: attention probabilities of a real model ----------------------------------

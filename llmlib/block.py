@@ -19,6 +19,7 @@ from torch import nn
 
 from llmlib.attention import Attention, register_fused_linear
 from llmlib.config import ModelConfig
+from llmlib.linear import linear
 
 
 class RMSNorm(nn.Module):
@@ -56,9 +57,9 @@ class FeedForward(nn.Module):
         register_fused_linear(self, "w_gate_up", [("w_gate", ffn_dim), ("w_up", ffn_dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.linear on the weights directly: the same product without nn.Module's per-call bookkeeping
-        gate, up = F.linear(x, self.w_gate_up.weight).split(self.ffn_dim, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down.weight)
+        # linear() on the weights directly: the same product without nn.Module's per-call bookkeeping
+        gate, up = linear(x, self.w_gate_up.weight).split(self.ffn_dim, dim=-1)
+        return linear(F.silu(gate) * up, self.w_down.weight)
 
 
 class MoEFeedForward(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from llmlib.linear import linear
 
 
 class TokenEmbedding(nn.Module):
@@ -37,4 +38,4 @@ def unembed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     ``weight`` is ``lm_head.weight``, or ``embed.weight`` itself when the embeddings are tied.
     """
-    return F.linear(h, weight)
+    return linear(h, weight)

@@ -12,10 +12,12 @@ One engine *step* is: schedule, run, sample, append, detokenize. Every running s
 one token per step, and new prompts join as soon as there is room, so the batch is always as full
 as memory and the token budget allow (continuous batching, {cite}`kwon2023`).
 
-Forward passes. New tokens of sequences in *prefill* (more than one token this step) are packed
-into a single row, back to back, with a block-diagonal mask: no padding is computed. Sequences in
-*decode* (one token) go one per row. So a step is at most two forward passes. The LM head is applied
-only to the positions whose next token is sampled.
+Forward passes. A step is one forward pass over one row: the new tokens of every scheduled
+sequence, prefill chunks and single decode tokens alike, back to back, with no padding. The weight
+matrices are read once per step and multiply all those tokens together; attention, the only part
+that must keep sequences apart, is computed sequence by sequence by the paged step
+(:meth:`~llmlib.paged_cache.PagedStep.attend`). The LM head is applied only to the positions whose
+next token is sampled.
 """
 from __future__ import annotations
 
@@ -155,45 +157,37 @@ class ModelRunner:
                                   device=self.device, dtype=self.dtype)
         self.forward_passes = 0
 
-    def _forward(self, rows: list[list[ScheduledChunk]], select: list[int]) -> torch.Tensor:
-        """One forward pass: ``rows`` of chunks (packed within a row); logits [len(select), V]."""
-        step = self.cache.step([[SeqChunk(c.seq.block_table, c.start, c.length) for c in row] for row in rows])
-        T = step.positions.shape[1]
-        ids = torch.zeros((len(rows), T), dtype=torch.long)
-        for b, row in enumerate(rows):
-            t = 0
-            for c in row:
-                ids[b, t:t + c.length] = torch.as_tensor(c.seq.token_ids[c.start:c.start + c.length])
-                t += c.length
+    def _forward(self, chunks: list[ScheduledChunk], select: list[int]) -> torch.Tensor:
+        """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
+        step = self.cache.step([[SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]])
+        ids: list[int] = []
+        for c in chunks:
+            ids += c.seq.token_ids[c.start:c.start + c.length]
         self.forward_passes += 1
-        sel = torch.as_tensor(select, dtype=torch.long, device=self.device)
-        return _hidden_then_head(self.model, ids.to(self.device), step.positions, step, sel)
+        ids_t = torch.tensor([ids], dtype=torch.long).to(self.device)
+        sel = torch.as_tensor(select, dtype=torch.long).to(self.device)
+        return _hidden_then_head(self.model, ids_t, step.positions, step, sel)
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk], generators: dict[int, torch.Generator | None]) -> dict[int, int]:
-        """Run one step's chunks; return ``{seq_id: sampled token}`` for chunks that reach their end."""
-        prefill = [c for c in chunks if c.length > 1]
-        decode = [c for c in chunks if c.length == 1]
-        logits_rows: list[torch.Tensor] = []
-        sampled: list[ScheduledChunk] = []
-        if prefill:
-            # one packed row; sample at the last token of every chunk that completes its sequence
-            ends, t = [], 0
-            for c in prefill:
-                t += c.length
-                if c.samples:
-                    ends.append(t - 1)
-                    sampled.append(c)
-            if ends:
-                logits_rows.append(self._forward([prefill], ends))
-            else:
-                self._forward([prefill], [0])  # only part of a long prompt: nothing to sample yet
-        if decode:
-            logits_rows.append(self._forward([[c] for c in decode], [i for i, c in enumerate(decode) if c.samples]))
-            sampled += [c for c in decode if c.samples]
+        """Run one step's chunks; return ``{seq_id: sampled token}`` for chunks that reach their end.
+
+        Every chunk, prefill and decode alike, goes into one row: the weight-matrix products see
+        all of the step's tokens at once (one pass over the weights per step), and the paged step
+        computes attention sequence by sequence (:meth:`~llmlib.paged_cache.PagedStep.attend`), so
+        packing costs nothing in attention. Prefill chunks first, then decode ones.
+        """
+        order = [c for c in chunks if c.length > 1] + [c for c in chunks if c.length == 1]
+        ends, sampled, t = [], [], 0
+        for c in order:
+            t += c.length
+            if c.samples:  # sample at the last token of every chunk that completes its sequence
+                ends.append(t - 1)
+                sampled.append(c)
+        logits = self._forward(order, ends or [t - 1])  # a step of partial prompts samples nothing
         if not sampled:
             return {}
-        logits = torch.cat(logits_rows).float()
+        logits = logits.float()
         params = [c.seq.params for c in sampled]
         gens = [generators.get(c.seq.seq_id) for c in sampled]
         seen = [c.seq.token_ids for c in sampled] if any(p.repetition_penalty != 1.0 for p in params) else None

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from llmlib.config import ModelConfig
+from llmlib.linear import pack_weights
 from llmlib.model import Transformer, expected_shapes
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -79,7 +80,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | 
     model.rope.reset(device)  # the cos/sin tables are derived from the config, never loaded
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     if device.type == "cpu":
-        use_matvec_layout(model)
+        use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
+        pack_weights(model)  # batches: oneDNN's blocked copy (llmlib.linear), after the layout is final
     return model.eval()
 
 

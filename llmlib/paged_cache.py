@@ -1,32 +1,31 @@
 """The paged KV cache: one pool of blocks per layer, read and written through block tables.
 
-The pool of layer ``i`` is two tensors ``[num_blocks, kv_heads, block_size, head_dim]`` (keys and
-values). A sequence's keys live in the blocks its block table names, in order; block ``b`` holds
-the tokens at positions ``b * block_size ... (b + 1) * block_size - 1`` of that sequence.
+The pool of layer ``i`` is two tensors ``[num_blocks, block_size, kv_heads, head_dim]`` (keys and
+values), token-major like vLLM's: a sequence's keys live in the blocks its block table names, in
+order, block ``b`` holding positions ``b * block_size ... (b + 1) * block_size - 1``. Token-major
+matters on the CPU: gathering a row's blocks is then one ``index_select`` whose result is already
+``[tokens, heads, head_dim]``, and turning it into attention's ``[heads, tokens, head_dim]`` is a
+view. The head-major layout needed a second copy, and that copy was a tenth of the engine's time.
 
-The model never sees any of this. Each forward pass gets a :class:`PagedStep`, which implements the
-one method every cache implements (see the model contract)::
+The model never sees any of this. Each forward pass gets a :class:`PagedStep`, built from the
+chunks of sequences scheduled in it. It implements the cache contract two ways:
 
-    k_all, v_all, mask = cache.update(layer, k, v, positions)
-
-It scatters the new keys/values into their slots, then gathers, for every row of the batch, the
-blocks of the sequences in that row, and returns a mask saying which query may see which key.
-Attention over the gathered keys is then exactly attention over a contiguous cache.
-
-Two layouts of the batch are supported, because they suit different work:
-
-* one sequence per row (decode: ``[B, 1]``), each row gathering its own blocks;
-* several sequences packed into one row (prefill: ``[1, T1 + T2 + ...]``), the row gathering all
-  their blocks, and the mask making it block-diagonal, so no compute is spent on padding.
-
-Both are described the same way: for every new token, its slot and (sequence, position); for every
-gathered key, its (sequence, position). The mask is ``same sequence and key position <= query
-position``. It is built once per step and shared by all layers.
+* ``k_all, v_all, mask = step.update(layer, k, v, positions)`` — the contract every cache has
+  (see :class:`llmlib.attention.Attention`): scatter the new keys and values into their slots,
+  gather each row's blocks, and return a mask saying which query may see which key (the same
+  sequence, at or before its position). Several sequences may share a row back to back; the mask
+  is then block-diagonal. Simple, and exactly attention over a contiguous cache.
+* ``out = step.attend(layer, q, k, v, attention)`` — what the engine uses. The step knows where
+  each sequence's tokens sit, so instead of one padded grid under a mask it computes attention
+  sequence by sequence: a prefill chunk attends over its own sequence's keys (causal, no wasted
+  scores on other sequences' keys), and all single-token (decode) chunks go through one batched
+  call over their gathered blocks. That lets the engine put *every* token of a step, prefill and
+  decode alike, in one row: one forward pass, one set of weight-matrix products per step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -52,7 +51,7 @@ class PagedKVCache:
         self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
-        shape = (num_blocks, n_kv_heads, block_size, head_dim)
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
         # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
@@ -68,7 +67,7 @@ class PagedKVCache:
 
     def step(self, rows: Seq[Seq["SeqChunk"]]) -> "PagedStep":
         """The cache view for one forward pass: ``rows[b]`` lists the sequence chunks in row ``b``."""
-        return PagedStep.build(self, rows)
+        return PagedStep(self, rows)
 
 
 @dataclass
@@ -84,96 +83,155 @@ class SeqChunk:
     length: int
 
 
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
 class PagedStep:
-    """Implements the model's cache contract for one forward pass over the paged pool."""
+    """Implements the model's cache contract for one forward pass over the paged pool.
 
-    def __init__(
-        self,
-        cache: PagedKVCache,
-        write_blocks: torch.Tensor,  # [N] block of every new (non-padding) token, row-major over [B, T]
-        write_offsets: torch.Tensor,  # [N] offset inside that block
-        write_index: torch.Tensor,  # [N] flat index into [B*T] of those tokens
-        gather_blocks: torch.Tensor,  # [B, nb] blocks each row reads (padding repeats block 0)
-        mask: torch.Tensor,  # [B, 1, T, nb * block_size] True = may attend
-        positions: torch.Tensor,  # [B, T] the position of every new token (pads: 0)
-    ) -> None:
-        self.cache = cache
-        self.write_blocks, self.write_offsets, self.write_index = write_blocks, write_offsets, write_index
-        self.gather_blocks, self.mask, self.positions = gather_blocks, mask, positions
+    Everything is worked out once, on the host, when the step is built (a few hundred integers),
+    and moved to the device once; the layers then only index with it.
+    """
 
-    @classmethod
-    def build(cls, cache: PagedKVCache, rows: Seq[Seq[SeqChunk]]) -> "PagedStep":
+    def __init__(self, cache: PagedKVCache, rows: Seq[Seq[SeqChunk]]) -> None:
         if not rows or any(not r for r in rows):
             raise ValueError("PagedStep: every row needs at least one sequence chunk")
-        bs = cache.block_size
+        self.cache, self.rows = cache, [list(r) for r in rows]
+        bs, dev = cache.block_size, cache.device
         B = len(rows)
         T = max(sum(c.length for c in r) for r in rows)
-        nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in rows)
-        S = nb * bs
-        # Built with Python lists on the host, then moved once: these are a few hundred ints.
-        q_seq = torch.full((B, T), -1, dtype=torch.long)  # which chunk (in its row) each query is
-        q_pos = torch.zeros((B, T), dtype=torch.long)
-        k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
-        k_pos = torch.zeros((B, S), dtype=torch.long)
-        gather = torch.zeros((B, nb), dtype=torch.long)
-        w_blocks: list[torch.Tensor] = []
-        w_offsets: list[torch.Tensor] = []
-        w_index: list[torch.Tensor] = []
+        self.shape = (B, T)
+        positions = torch.zeros((B, T), dtype=torch.long)
+        slots: list[torch.Tensor] = []  # pool slot (block * bs + offset) of every new token
+        index: list[torch.Tensor] = []  # its flat index in the [B * T] batch (padding has none)
+        long: list[tuple[int, int, int, list[int], int]] = []  # multi-token chunks: (row, column, length, blocks, end)
+        short: list[tuple[int, int, int, list[int]]] = []  # single-token chunks: (row, column, position, blocks)
         for b, row in enumerate(rows):
             t0 = 0  # next query column in this row
-            g0 = 0  # next gathered block in this row
-            for j, c in enumerate(row):
+            for c in row:
                 if c.start < 0 or c.length <= 0:
                     raise ValueError(f"PagedStep: chunk start must be >= 0 and length > 0, got {c}")
                 end = c.start + c.length
                 need = -(-end // bs)
                 if len(c.block_table) < need:
                     raise ValueError(f"PagedStep: block table of {len(c.block_table)} blocks cannot hold {end} tokens")
-                table = torch.as_tensor(list(c.block_table[:need]), dtype=torch.long)
+                blocks = [int(x) for x in c.block_table[:need]]
                 pos = torch.arange(c.start, end)
-                q_seq[b, t0:t0 + c.length] = j
-                q_pos[b, t0:t0 + c.length] = pos
-                w_blocks.append(table[pos // bs])  # token at position p lives in block p // bs ...
-                w_offsets.append(pos % bs)  # ... at slot p % bs
-                w_index.append(b * T + t0 + torch.arange(c.length))
-                gather[b, g0:g0 + need] = table
-                k_seq[b, g0 * bs:g0 * bs + end] = j
-                k_pos[b, g0 * bs:g0 * bs + end] = torch.arange(end)
+                positions[b, t0:t0 + c.length] = pos
+                slots.append(torch.as_tensor(blocks)[pos // bs] * bs + pos % bs)  # position p: block p // bs, slot p % bs
+                index.append(b * T + t0 + torch.arange(c.length))
+                if c.length == 1:
+                    short.append((b, t0, c.start, blocks))
+                else:
+                    long.append((b, t0, c.length, blocks, end))
                 t0 += c.length
-                g0 += need
-        mask = (q_seq[:, :, None] == k_seq[:, None, :]) & (k_pos[:, None, :] <= q_pos[:, :, None])
-        # A padding query (shorter row) would see no key at all, and softmax over nothing is NaN;
-        # let it see key 0. Its output is never read.
-        mask[:, :, 0] |= q_seq < 0
-        dev = cache.device
-        return cls(
-            cache,
-            torch.cat(w_blocks).to(dev),
-            torch.cat(w_offsets).to(dev),
-            torch.cat(w_index).to(dev),
-            gather.to(dev),
-            mask[:, None].to(dev),
-            q_pos.to(dev),
-        )
+        self.positions = positions.to(dev)
+        self.write_slots = torch.cat(slots).to(dev)
+        n_real = len(self.write_slots)
+        self.write_index = None if n_real == B * T else torch.cat(index).to(dev)  # None: no padding anywhere
+        self._long = [(b, t0, n, torch.as_tensor(blocks, device=dev), end) for b, t0, n, blocks, end in long]
+        self._short = None
+        if short:
+            nb = max(len(s[3]) for s in short)
+            table = torch.zeros((len(short), nb), dtype=torch.long)  # padding repeats block 0, masked below
+            for i, (_, _, _, blocks) in enumerate(short):
+                table[i, :len(blocks)] = torch.as_tensor(blocks)
+            q_pos = torch.tensor([s[2] for s in short])
+            mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]  # key position <= the query's position
+            self._short = (torch.tensor([s[0] for s in short], device=dev), torch.tensor([s[1] for s in short], device=dev),
+                           table.view(-1).to(dev), nb, mask[:, None, None, :].to(dev))
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # ---- writing ------------------------------------------------------------------------------
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter the new keys/values ``[B, Hkv, T, hd]`` into their pool slots."""
+        B, H, T, D = k.shape
+        flat = (-1, H, D)
+        k_new = k.transpose(1, 2).reshape(B * T, H, D)  # [B*T, Hkv, hd]; a view for the model's q/k/v split
+        v_new = v.transpose(1, 2).reshape(B * T, H, D)
+        if self.write_index is not None:  # drop padding columns
+            k_new, v_new = k_new[self.write_index], v_new[self.write_index]
+        kp, vp = self.cache.k[layer], self.cache.v[layer]
+        kp.view(flat).index_copy_(0, self.write_slots, k_new.to(kp.dtype))
+        vp.view(flat).index_copy_(0, self.write_slots, v_new.to(vp.dtype))
+
+    # ---- the contract: hand back keys, values and a mask ----------------------------------------
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write the new keys/values ``[B, Hkv, T, hd]`` into their slots; return what to attend over.
+        """Write the new keys/values ``[B, Hkv, T, hd]`` into their slots; return what to attend over:
+        every row's blocks gathered ``[B, Hkv, S, hd]`` and the mask ``[B, 1, T, S]``.
 
         ``positions`` is accepted for the contract; the slots were fixed when the step was built
         (from the same positions), so it is not needed here.
         """
+        self._write(layer, k, v)
+        gather, mask = self._dense_view()
+        B, nb = gather.shape
+        bs, H, D = self.cache.block_size, self.cache.n_kv_heads, self.cache.head_dim
         kp, vp = self.cache.k[layer], self.cache.v[layer]
-        B, H, T, D = k.shape
-        # [B, H, T, D] -> [B*T, H, D], keep the real tokens, scatter into (block, :, offset, :).
-        k_new = k.transpose(1, 2).reshape(B * T, H, D)[self.write_index]
-        v_new = v.transpose(1, 2).reshape(B * T, H, D)[self.write_index]
-        kp[self.write_blocks, :, self.write_offsets] = k_new.to(kp.dtype)
-        vp[self.write_blocks, :, self.write_offsets] = v_new.to(vp.dtype)
-        # Gather whole blocks: [B, nb, H, bs, D] -> [B, H, nb * bs, D].
-        nb = self.gather_blocks.shape[1]
-        bs = self.cache.block_size
-        k_all = kp[self.gather_blocks].permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)
-        v_all = vp[self.gather_blocks].permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)
-        return k_all, v_all, self.mask
+        # [B * nb, bs, H, D] -> [B, nb * bs, H, D] (a view) -> [B, H, S, D] (a view)
+        k_all = kp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
+        v_all = vp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
+        return k_all, v_all, mask
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For :meth:`update`: the blocks each row gathers ``[B, nb]`` and the mask (built once per step)."""
+        if self._dense is None:
+            bs = self.cache.block_size
+            B, T = self.shape
+            nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in self.rows)
+            S = nb * bs
+            q_seq = torch.full((B, T), -1, dtype=torch.long)  # which chunk (in its row) each query is
+            k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
+            k_pos = torch.zeros((B, S), dtype=torch.long)
+            gather = torch.zeros((B, nb), dtype=torch.long)  # padding repeats block 0
+            for b, row in enumerate(self.rows):
+                t0 = g0 = 0
+                for j, c in enumerate(row):
+                    end = c.start + c.length
+                    need = -(-end // bs)
+                    q_seq[b, t0:t0 + c.length] = j
+                    gather[b, g0:g0 + need] = torch.as_tensor([int(x) for x in c.block_table[:need]])
+                    k_seq[b, g0 * bs:g0 * bs + end] = j
+                    k_pos[b, g0 * bs:g0 * bs + end] = torch.arange(end)
+                    t0 += c.length
+                    g0 += need
+            q_pos = self.positions.cpu()
+            mask = (q_seq[:, :, None] == k_seq[:, None, :]) & (k_pos[:, None, :] <= q_pos[:, :, None])
+            # A padding query (shorter row) would see no key at all, and softmax over nothing is NaN;
+            # let it see key 0. Its output is never read.
+            mask[:, :, 0] |= q_seq < 0
+            self._dense = (gather.to(self.cache.device), mask[:, None].to(self.cache.device))
+        return self._dense
+
+    # ---- the fast path: attention sequence by sequence ------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: AttentionFn) -> torch.Tensor:
+        """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
+        sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
+
+        ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``
+        meaning causal, aligned to the end). A multi-token chunk is one call over its sequence's
+        keys, causal; the single-token chunks are one batched call over their gathered blocks,
+        masked only where a short row's keys end before the longest row's.
+        """
+        self._write(layer, k, v)
+        B, H, T, D = q.shape
+        Hkv, bs = self.cache.n_kv_heads, self.cache.block_size
+        kp, vp = self.cache.k[layer], self.cache.v[layer]
+        out = q.new_zeros(B, T, H, D)  # token-major, so the caller's transpose back is a view
+        for b, t0, n, blocks, end in self._long:
+            kc = kp.index_select(0, blocks).view(-1, Hkv, D)[:end].permute(1, 0, 2).unsqueeze(0)
+            vc = vp.index_select(0, blocks).view(-1, Hkv, D)[:end].permute(1, 0, 2).unsqueeze(0)
+            o = attention(q[b:b + 1, :, t0:t0 + n], kc, vc, None)  # [1, H, n, D]
+            out[b, t0:t0 + n] = o[0].transpose(0, 1)
+        if self._short is not None:
+            rows, cols, table, nb, mask = self._short
+            n = len(rows)
+            qd = q[rows, :, cols].unsqueeze(2)  # [n, H, 1, D]
+            kd = kp.index_select(0, table).view(n, nb * bs, Hkv, D).transpose(1, 2)
+            vd = vp.index_select(0, table).view(n, nb * bs, Hkv, D).transpose(1, 2)
+            out[rows, cols] = attention(qd, kd, vd, mask)[:, :, 0]
+        return out.transpose(1, 2)
+

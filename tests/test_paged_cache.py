@@ -80,7 +80,7 @@ def test_paged_equals_contiguous_for_packed_prefill_then_batched_decode():
 
     # The pool holds exactly each sequence's keys, in block-table order.
     for i, n in enumerate(L):
-        flat = cache.k[1][tables[i]].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :n]
+        flat = cache.k[1][tables[i]].reshape(-1, HKV, D)[:n].transpose(0, 1)  # token-major pool
         torch.testing.assert_close(flat, K[1][i][0], atol=0, rtol=0)
 
 
@@ -108,7 +108,47 @@ def test_padding_rows_do_not_produce_nan():
     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
     assert torch.isfinite(out).all()
     # the padded tokens were not written anywhere
-    assert (cache.k[0][3] == 0).all() and (cache.k[0][2][:, 2:] == 0).all()
+    assert (cache.k[0][3] == 0).all() and (cache.k[0][2][2:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive", "tiled"])
+def test_attend_mixed_row_equals_contiguous(backend):
+    """The engine's path: prefill chunks (one starting mid-sequence) and decode tokens of several
+    sequences packed in ONE row; ``attend`` must give each token exactly its own sequence's
+    causal attention, with every attention backend."""
+    from llmlib.attention import ATTENTION_BACKENDS
+
+    torch.manual_seed(2)
+    fn = ATTENTION_BACKENDS[backend]
+    cache = PagedKVCache(1, 40, HKV, BS, D)
+    # (total length, tokens already in the pool before this step)
+    seqs = [(9, 0), (13, 6), (7, 6), (17, 16), (5, 4)]  # two prefills (one chunked), three decodes
+    perm = torch.randperm(40).tolist()
+    tables, p = [], 0
+    for n, _ in seqs:
+        tables.append(perm[p:p + -(-n // BS)])
+        p += -(-n // BS)
+    K = [torch.randn(1, HKV, n, D) for n, _ in seqs]
+    V = [torch.randn(1, HKV, n, D) for n, _ in seqs]
+    Q = [torch.randn(1, H, n, D) for n, _ in seqs]
+    # what earlier steps wrote: the first `done` tokens of each sequence
+    for (n, done), t, k, v in zip(seqs, tables, K, V):
+        if done:
+            cache.step([[SeqChunk(t, 0, done)]]).update(0, k[:, :, :done], v[:, :, :done])
+    step = cache.step([[SeqChunk(t, done, n - done) for (n, done), t in zip(seqs, tables)]])
+    q = torch.cat([Q[i][:, :, done:] for i, (n, done) in enumerate(seqs)], 2)
+    k = torch.cat([K[i][:, :, done:] for i, (n, done) in enumerate(seqs)], 2)
+    v = torch.cat([V[i][:, :, done:] for i, (n, done) in enumerate(seqs)], 2)
+    out = step.attend(0, q, k, v, fn)
+    assert out.shape == q.shape
+    t0 = 0
+    for i, (n, done) in enumerate(seqs):
+        ref = contiguous(Q[i][:, :, done:], K[i], V[i])
+        torch.testing.assert_close(out[:, :, t0:t0 + n - done], ref, atol=1e-5, rtol=0)
+        t0 += n - done
+    # and the contract path of the same step agrees with it
+    k_all, v_all, mask = step.update(0, k, v)
+    torch.testing.assert_close(attend(q, k_all, v_all, mask), out, atol=1e-5, rtol=0)
 
 
 def test_errors():
