@@ -130,16 +130,20 @@ class PagedStep:
         n_real = len(self.write_slots)
         self.write_index = None if n_real == B * T else torch.cat(index).to(dev)  # None: no padding anywhere
         self._long = [(b, t0, n, torch.as_tensor(blocks, device=dev), end) for b, t0, n, blocks, end in long]
-        self._short = None
-        if short:
-            nb = max(len(s[3]) for s in short)
-            table = torch.zeros((len(short), nb), dtype=torch.long)  # padding repeats block 0, masked below
-            for i, (_, _, _, blocks) in enumerate(short):
+        # Single-token chunks attend in batched calls, each over a [n, nb * bs] gather padded to
+        # its longest member; padding is read and masked for nothing, so rows are sorted by length
+        # and cut into groups of similar lengths (see _group_by_length).
+        self._short = []
+        for group in _group_by_length(short, bs):
+            nb = max(len(s[3]) for s in group)
+            table = torch.zeros((len(group), nb), dtype=torch.long)  # padding repeats block 0, masked below
+            for i, (_, _, _, blocks) in enumerate(group):
                 table[i, :len(blocks)] = torch.as_tensor(blocks)
-            q_pos = torch.tensor([s[2] for s in short])
+            q_pos = torch.tensor([s[2] for s in group])
             mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]  # key position <= the query's position
-            self._short = (torch.tensor([s[0] for s in short], device=dev), torch.tensor([s[1] for s in short], device=dev),
-                           table.view(-1).to(dev), nb, mask[:, None, None, :].to(dev))
+            self._short.append((torch.tensor([s[0] for s in group], device=dev),
+                                torch.tensor([s[1] for s in group], device=dev),
+                                table.view(-1).to(dev), nb, mask[:, None, None, :].to(dev)))
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- writing ------------------------------------------------------------------------------
@@ -226,8 +230,7 @@ class PagedStep:
             vc = vp.index_select(0, blocks).view(-1, Hkv, D)[:end].permute(1, 0, 2).unsqueeze(0)
             o = attention(q[b:b + 1, :, t0:t0 + n], kc, vc, None)  # [1, H, n, D]
             out[b, t0:t0 + n] = o[0].transpose(0, 1)
-        if self._short is not None:
-            rows, cols, table, nb, mask = self._short
+        for rows, cols, table, nb, mask in self._short:
             n = len(rows)
             qd = q[rows, :, cols].unsqueeze(2)  # [n, H, 1, D]
             kd = kp.index_select(0, table).view(n, nb * bs, Hkv, D).transpose(1, 2)
@@ -235,3 +238,31 @@ class PagedStep:
             out[rows, cols] = attention(qd, kd, vd, mask)[:, :, 0]
         return out.transpose(1, 2)
 
+
+
+def _group_by_length(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
+                     call_cost_blocks: int = 16) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Split single-token chunks into groups that each get one batched attention call.
+
+    A group reads ``len(group) * (its longest block count)`` blocks of keys and values, real or
+    padding; each extra call costs about as much as reading ``call_cost_blocks`` blocks (a few
+    kernel launches). Sorted by length, the best contiguous split is a small dynamic programme:
+    ``best[j]`` = cheapest way to cover the ``j`` shortest chunks.
+    """
+    if not chunks:
+        return []
+    order = sorted(chunks, key=lambda c: len(c[3]))
+    lens = [len(c[3]) for c in order]
+    n = len(order)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is order[i:j]; its longest member is order[j - 1]
+            cost = best[i] + (j - i) * lens[j - 1] + call_cost_blocks
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]

@@ -158,3 +158,16 @@ def test_errors():
     with pytest.raises(ValueError, match="cannot hold"):
         cache.step([[SeqChunk([0], 0, 5)]])
     assert cache.bytes_per_block == 2 * 1 * HKV * BS * D * 4
+
+
+def test_decode_rows_grouped_by_length():
+    """Single-token chunks are split into groups of similar length: each chunk in exactly one
+    group, short ones never padded to the longest when a separate call is cheaper."""
+    from llmlib.paged_cache import _group_by_length
+
+    chunks = [(0, i, 0, [0] * n) for i, n in enumerate([40, 1, 2, 41, 1, 39, 2])]
+    groups = _group_by_length(chunks, BS)
+    assert sorted(c[1] for g in groups for c in g) == list(range(7))
+    assert [sorted(len(c[3]) for c in g) for g in groups] == [[1, 1, 2, 2], [39, 40, 41]]
+    assert _group_by_length([(0, 0, 0, [0] * 5)] * 3, BS) == [[(0, 0, 0, [0] * 5)] * 3]  # equal lengths: one call
+    assert _group_by_length([], BS) == []
