@@ -325,10 +325,20 @@ class Check:
         prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
         outs = [rng.randint(lo, hi) for _ in range(n)]
         model = random_model(cfg, dev, dtype)
-        llm = LLM(model, None, max_num_seqs=max_seqs, max_model_len=2 * hi + 16)
-        # warm-up: a couple of short requests through the same code path, not timed
+        # cuda_graphs=True: decode steps replay CUDA graphs on the GPU; in the dry run the same
+        # fixed-shape steps run eagerly on the CPU, so the path is rehearsed either way
+        llm = LLM(model, None, max_num_seqs=max_seqs, max_model_len=2 * hi + 16, cuda_graphs=True)
+        # warm-up, not timed: capture every decode graph the run can need, then a couple of short
+        # requests through the same code path
+        synchronize(dev)
+        t_cap = time.perf_counter()
+        graphs = llm.capture_graphs(max_seqs, 2 * hi + 16)
+        synchronize(dev)
+        capture_s = time.perf_counter() - t_cap
         llm.generate([prompts[0][:lo], prompts[1][:lo]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                      use_tqdm=False)
+        g = llm.runner.graphs
+        replays0, static0 = g.replays, g.static_steps
         llm.reset_stats()
         for p, m in zip(prompts, outs):
             llm.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
@@ -356,7 +366,9 @@ class Check:
                 "median_ttft_s": statistics.median(first_token) if first_token else None,
                 "max_num_seqs": max_seqs, "num_blocks": st.num_blocks, "block_size": st.block_size,
                 "peak_used_blocks": st.peak_used_blocks, "preemptions": st.preemptions, "steps": st.steps,
-                "kv_waste": st.waste, "ok": finished_all}
+                "kv_waste": st.waste, "cuda_graphs": g.enabled, "graphs_captured": graphs,
+                "graph_capture_s": capture_s, "graph_replays": g.replays - replays0,
+                "fixed_shape_decode_steps": g.static_steps - static0, "ok": finished_all}
 
     def run(self) -> int:
         print(f"gpu_check: {'DRY RUN on ' if self.dry else ''}{self.report['machine']['device_name']} "

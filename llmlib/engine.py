@@ -149,13 +149,30 @@ def _hidden_then_head(model: Any, ids: torch.Tensor, positions: torch.Tensor, ca
 class ModelRunner:
     """Owns the paged KV pool; runs the scheduled chunks through the model and samples."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, *,
+                 cuda_graphs: bool | None = None, max_graph_rows: int = 64, max_model_len: int | None = None) -> None:
         cfg = model.config
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
-        self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
-                                  device=self.device, dtype=self.dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        # With graphs the pool gets one block more than the block manager hands out: the scratch
+        # block that a fixed-shape step's padding rows write into.
+        self.cache = PagedKVCache(cfg.n_layers, num_blocks + (1 if cuda_graphs else 0), cfg.n_kv_heads, block_size,
+                                  cfg.head_dim, device=self.device, dtype=self.dtype)
+        self.graphs = None
+        if cuda_graphs:
+            from llmlib.cuda_graphs import PagedDecodeGraphs
+
+            max_len = max_model_len or cfg.max_seq_len
+            self.graphs = PagedDecodeGraphs(self._forward_rows, self.cache, scratch_block=num_blocks,
+                                            max_rows=max_graph_rows, max_blocks=-(-max_len // block_size),
+                                            enabled=self.device.type == "cuda")
         self.forward_passes = 0
+
+    def _forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, step: Any) -> torch.Tensor:
+        """The forward pass a fixed-shape decode step runs (and a CUDA graph records): logits [rows, V]."""
+        return _hidden_then_head(self.model, ids, positions, step, None)
 
     def _forward(self, chunks: list[ScheduledChunk], select: list[int]) -> torch.Tensor:
         """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
@@ -177,6 +194,12 @@ class ModelRunner:
         computes attention sequence by sequence (:meth:`~llmlib.paged_cache.PagedStep.attend`), so
         packing costs nothing in attention. Prefill chunks first, then decode ones.
         """
+        if self.graphs is not None and self.graphs.fits(chunks):
+            # every sequence decodes one token: the fixed-shape step (a CUDA graph replay on a GPU)
+            self.forward_passes += 1
+            logits = self.graphs.run(chunks, [c.seq.token_ids[c.start] for c in chunks])
+            keep = [i for i, c in enumerate(chunks) if c.samples]  # a 1-token slice of a prompt samples nothing
+            return self._sample([chunks[i] for i in keep], logits[keep], generators)
         order = [c for c in chunks if c.length > 1] + [c for c in chunks if c.length == 1]
         ends, sampled, t = [], [], 0
         for c in order:
@@ -185,6 +208,10 @@ class ModelRunner:
                 ends.append(t - 1)
                 sampled.append(c)
         logits = self._forward(order, ends or [t - 1])  # a step of partial prompts samples nothing
+        return self._sample(sampled, logits, generators)
+
+    def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor,
+                generators: dict[int, torch.Generator | None]) -> dict[int, int]:
         if not sampled:
             return {}
         logits = logits.float()
@@ -252,6 +279,12 @@ class LLM:
     give prompts as token ids). ``num_blocks`` sizes the KV pool (default: ``kv_cache_bytes`` worth,
     1 GiB on a CPU, most of the free memory on a GPU, never more than ``max_num_seqs`` full-length
     sequences need). ``max_num_batched_tokens`` is the per-step token budget.
+
+    ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
+    as a replay of a CUDA graph (:class:`llmlib.cuda_graphs.PagedDecodeGraphs`), captured per
+    power-of-two batch size and history length the first time one is needed, or ahead of time with
+    :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
+    capturing (what the tests exercise).
     """
 
     def __init__(
@@ -269,6 +302,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if isinstance(model, (str, Path)):
             from llmlib.loading import load_model
@@ -315,7 +349,8 @@ class LLM:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.max_model_len = self.scheduler.max_model_len
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, cuda_graphs=cuda_graphs,
+                                  max_graph_rows=max_num_seqs, max_model_len=max_len)
         eos = set(cfg.eos_token_ids or ())
         if tokenizer is not None and getattr(tokenizer, "eos_id", None) is not None:
             eos.add(int(tokenizer.eos_id))
@@ -325,6 +360,15 @@ class LLM:
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._block_hits0 = 0
+
+    def capture_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> int:
+        """Capture the decode-step graphs for up to ``max_rows`` sequences of up to ``max_tokens``
+        tokens ahead of time (warm-up before timing); returns how many steps exist (0: graphs off)."""
+        g = self.runner.graphs
+        if g is None:
+            return 0
+        bs = self.block_manager.block_size
+        return g.capture(max_rows, None if max_tokens is None else -(-max_tokens // bs))
 
     # ---- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:

@@ -232,10 +232,13 @@ class PagedStep:
             out[b, t0:t0 + n] = o[0].transpose(0, 1)
         for rows, cols, table, nb, mask in self._short:
             n = len(rows)
-            qd = q[rows, :, cols].unsqueeze(2)  # [n, H, 1, D]
+            # One query per head, and query head h reads KV head h // (H / Hkv): so the query heads
+            # sharing a KV head can ride as that head's "queries" [n, Hkv, H / Hkv, D], all under
+            # the same mask. Plain multi-head attention then, which no backend has to expand for GQA.
+            qd = q[rows, :, cols].view(n, Hkv, H // Hkv, D)
             kd = kp.index_select(0, table).view(n, nb * bs, Hkv, D).transpose(1, 2)
             vd = vp.index_select(0, table).view(n, nb * bs, Hkv, D).transpose(1, 2)
-            out[rows, cols] = attention(qd, kd, vd, mask)[:, :, 0]
+            out[rows, cols] = attention(qd, kd, vd, mask).reshape(n, H, D)
         return out.transpose(1, 2)
 
 
@@ -266,3 +269,59 @@ def _group_by_length(chunks: list[tuple[int, int, int, list[int]]], block_size: 
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+class StaticDecodeStep(PagedStep):
+    """A decode-only step with fixed shapes and fixed addresses, which a CUDA graph can replay.
+
+    ``rows`` sequences of one new token each, every one attending over ``blocks`` blocks. All the
+    step's index tensors (token ids, positions, write slots, block table, mask) are allocated once;
+    :meth:`fill` copies each new step's values into them, so a graph captured over this step reads
+    the new values on replay. Rows past the real ones are padding: they write into ``scratch_block``,
+    a block the block manager never hands out, and read only its first slot.
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: int, blocks: int, scratch_block: int) -> None:
+        if not 0 <= scratch_block < cache.num_blocks:
+            raise ValueError(f"StaticDecodeStep: scratch block {scratch_block} is not in the pool")
+        dev, bs = cache.device, cache.block_size
+        self.cache, self.rows, self.shape = cache, None, (1, rows)
+        self.num_rows, self.num_blocks, self.scratch_block = rows, blocks, scratch_block
+        self.ids = torch.zeros((1, rows), dtype=torch.long, device=dev)
+        self.positions = torch.zeros((1, rows), dtype=torch.long, device=dev)
+        self.write_slots = torch.full((rows,), scratch_block * bs, dtype=torch.long, device=dev)
+        self.write_index = None
+        self._long = []
+        self._table = torch.full((rows * blocks,), scratch_block, dtype=torch.long, device=dev)
+        self._mask = torch.zeros((rows, 1, 1, blocks * bs), dtype=torch.bool, device=dev)
+        self._mask[..., 0] = True
+        self._short = [(torch.zeros(rows, dtype=torch.long, device=dev), torch.arange(rows, device=dev),
+                        self._table, blocks, self._mask)]
+        self._dense = None
+        self._key_pos = torch.arange(blocks * bs)
+
+    def fill(self, chunks: Seq[SeqChunk], token_ids: Seq[int]) -> None:
+        """Copy one step's decode chunks (``length == 1``) and their input tokens into the buffers."""
+        n, bs, nb = len(chunks), self.cache.block_size, self.num_blocks
+        if not 0 < n <= self.num_rows:
+            raise ValueError(f"StaticDecodeStep: {n} chunks for a step of {self.num_rows} rows")
+        ids = torch.zeros((1, self.num_rows), dtype=torch.long)
+        pos = torch.zeros((1, self.num_rows), dtype=torch.long)
+        slots = torch.full((self.num_rows,), self.scratch_block * bs, dtype=torch.long)
+        table = torch.full((self.num_rows, nb), self.scratch_block, dtype=torch.long)
+        for i, (c, t) in enumerate(zip(chunks, token_ids)):
+            need = c.start // bs + 1
+            if c.length != 1 or need > nb or len(c.block_table) < need:
+                raise ValueError(f"StaticDecodeStep: chunk {c} is not one token within {nb} blocks")
+            ids[0, i], pos[0, i] = t, c.start
+            table[i, :need] = torch.as_tensor([int(x) for x in c.block_table[:need]])
+            slots[i] = table[i, c.start // bs] * bs + c.start % bs
+        mask = self._key_pos[None, :] <= pos[0, :, None]  # padding rows: position 0, so key 0 only
+        self.ids.copy_(ids)
+        self.positions.copy_(pos)
+        self.write_slots.copy_(slots)
+        self._table.copy_(table.view(-1))
+        self._mask.copy_(mask[:, None, None, :])
+
+    def update(self, layer, k, v, positions=None):  # noqa: ANN001
+        raise NotImplementedError("StaticDecodeStep only implements attend(); use PagedStep for update()")

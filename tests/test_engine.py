@@ -121,6 +121,46 @@ def test_small_pool_forces_preemption_and_still_matches(model, tok, workload, re
     assert st.peak_used_blocks <= 48
 
 
+@pytest.mark.parametrize("num_blocks", [1024, 48])
+def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, reference, num_blocks):
+    """The CUDA-graph path (fixed-shape decode steps, padded rows writing a scratch block) run
+    eagerly on the CPU: the same tokens, with and without preemption, and every block comes back."""
+    prompts, max_tokens = workload
+    llm = LLM(model, tok, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=256, cuda_graphs=True,
+              max_num_seqs=48)
+    outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    check_against_reference(outs, reference, workload)
+    graphs = llm.runner.graphs
+    assert graphs is not None and not graphs.enabled and graphs.replays == 0  # no CUDA here: nothing captured
+    assert graphs.static_steps > 0, "no step went through the fixed-shape path"
+    assert len(graphs._entries) > 1  # several (rows, blocks) buckets were used
+    assert llm.block_manager.num_free_blocks == num_blocks
+    assert llm.runner.cache.num_blocks == num_blocks + 1  # the scratch block, never handed out
+    assert llm.stats().preemptions > 0 if num_blocks == 48 else llm.stats().preemptions == 0
+
+
+def test_static_decode_step_padding_touches_only_the_scratch_block():
+    from llmlib.attention import sdpa_attention
+    from llmlib.paged_cache import PagedKVCache, SeqChunk, StaticDecodeStep
+
+    torch.manual_seed(0)
+    cache = PagedKVCache(1, 6, 2, 4, 8)  # block 5 is the scratch block
+    step = StaticDecodeStep(cache, rows=4, blocks=2, scratch_block=5)
+    step.fill([SeqChunk([3, 1], 5, 1), SeqChunk([2], 0, 1)], [7, 9])  # two real rows, two padding
+    assert step.ids.tolist() == [[7, 9, 0, 0]] and step.positions.tolist() == [[5, 0, 0, 0]]
+    q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    out = step.attend(0, q, k, v, sdpa_attention)
+    assert torch.isfinite(out).all()
+    assert torch.equal(cache.k[0][1][1], k[0, :, 0])  # row 0: position 5 = block table[1] = 1, slot 1
+    assert torch.equal(cache.k[0][2][0], k[0, :, 1])  # row 1: position 0 of block 2
+    untouched = [b for b in range(5) if b not in (1, 2)]
+    assert all((cache.k[0][b] == 0).all() for b in untouched)
+    with pytest.raises(ValueError, match="chunks for a step of 4 rows"):
+        step.fill([SeqChunk([0], 0, 1)] * 5, [1] * 5)
+    with pytest.raises(ValueError, match="within 2 blocks"):
+        step.fill([SeqChunk([0, 1, 2], 9, 1)], [1])
+
+
 def test_shared_prefix_is_computed_once(model, tok):
     rng = random.Random(1)
     system = [rng.randrange(256) for _ in range(40)]  # 10 full blocks of 4

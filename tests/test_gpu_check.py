@@ -34,5 +34,7 @@ def test_gpu_check_dry_run(tmp_path):
     en = s["engine_throughput"]
     assert en["finished_all"] and en["completed_requests"] == en["requests"] == 8
     assert en["output_tokens"] == en["total_output_tokens_planned"] and en["output_tok_s"] > 0
+    # the engine's CUDA-graph path ran (eagerly, on the CPU): decode steps went through fixed-shape steps
+    assert en["cuda_graphs"] is False and en["graphs_captured"] > 0 and en["fixed_shape_decode_steps"] > 0
     print(f"gpu_check --dry-run: {wall:.1f} s wall")
     assert wall < 240  # well under a minute on an idle 2-core machine; generous for a busy one

@@ -179,7 +179,10 @@ def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: 
     # the three must agree on the tokens (greedy) wherever they ran the same requests
     agree_static = sum(a == b for a, b in zip(sta["outputs"], con["outputs"])) / len(requests)
     agree_seq = sum(a == b for a, b in zip(seq["outputs"], con["outputs"])) / len(seq_reqs)
+    from llmlib.device import machine_info
+
     return {
+        "machine": machine_info("cpu" if next(model.parameters()).device.type == "cpu" else None),
         "num_requests": len(requests), "output_tokens": total, "threads": torch.get_num_threads(),
         "static_batch": static_batch, "max_num_seqs": max_num_seqs, "block_size": block_size,
         "kv_budget_tokens": kv_budget_tokens,
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the (slow) sequential mode on only the first N requests")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
@@ -230,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                 kv_budget_tokens=args.kv_budget_tokens or None,
                 block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                 sequential_subset=args.sequential_subset, log=log)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     if args.json:
         print(json.dumps(res, indent=2))
     else:
