@@ -148,14 +148,15 @@ def static_batch_for_budget(requests: list[Request], kv_budget_tokens: int) -> i
 
 def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: int | None = None, max_num_seqs: int = 64,
           block_size: int = 16, max_num_batched_tokens: int = 512, sequential_subset: int | None = None,
-          kv_budget_tokens: int | None = 8192, log=print) -> dict[str, Any]:
+          kv_budget_tokens: int | None = 8192, repeats: int = 1, log=print) -> dict[str, Any]:
     """Run all three modes on ``requests``; return tokens/s, ratios and waste.
 
     ``kv_budget_tokens`` gives static and continuous batching the same KV memory: the paged pool
     has ``kv_budget_tokens // block_size`` blocks, and the static batch size is what that memory
     holds at the workload's worst case (unless ``static_batch`` is given). ``None``: the engine's
     default pool. ``sequential_subset`` times the sequential mode on the first k requests only (it
-    is by far the slowest) and reports its tokens/s from those; the batched modes run everything.
+    is by far the slowest) and reports its tokens/s from those; the batched modes run everything,
+    ``repeats`` times each, alternating, and report the median time (this machine is noisy).
     """
     num_blocks = None if kv_budget_tokens is None else kv_budget_tokens // block_size
     if static_batch is None:
@@ -169,10 +170,17 @@ def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: 
     seq = run_sequential(model, tokenizer, seq_reqs)
     seq_tps = sum(r.max_tokens for r in seq_reqs) / seq["seconds"]
     log(f"  sequential   {seq_tps:8.1f} tok/s  ({seq['seconds']:.1f} s)")
-    sta = run_static(model, requests, static_batch)
+    runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+    for _ in range(max(1, repeats)):
+        runs["static"].append(run_static(model, requests, static_batch))
+        runs["continuous"].append(run_continuous(model, tokenizer, requests, max_num_seqs, block_size,
+                                                 max_num_batched_tokens, num_blocks))
+    sta, con = (sorted(runs[m], key=lambda r: r["seconds"])[(len(runs[m]) - 1) // 2] for m in ("static", "continuous"))
+    if repeats > 1:
+        log("  runs (s): " + "; ".join(f"{m} " + ", ".join(f"{r['seconds']:.1f}" for r in rs) for m, rs in runs.items())
+            + " -> medians below")
     sta_tps = total / sta["seconds"]
     log(f"  static  B={static_batch:<3} {sta_tps:7.1f} tok/s  ({sta['seconds']:.1f} s), KV allocated but unused {sta['waste']:.1%}")
-    con = run_continuous(model, tokenizer, requests, max_num_seqs, block_size, max_num_batched_tokens, num_blocks)
     con_tps = total / con["seconds"]
     log(f"  continuous   {con_tps:8.1f} tok/s  ({con['seconds']:.1f} s), KV allocated but unused {con['waste']:.1%}"
         f" (block size {block_size}), preemptions {con['stats'].preemptions}")
@@ -188,6 +196,8 @@ def bench(model: Any, tokenizer: Any, requests: list[Request], *, static_batch: 
         "kv_budget_tokens": kv_budget_tokens,
         "tokens_per_s": {"sequential": seq_tps, "static": sta_tps, "continuous": con_tps},
         "seconds": {"sequential": seq["seconds"], "static": sta["seconds"], "continuous": con["seconds"]},
+        "repeats": max(1, repeats),
+        "seconds_all_runs": {m: [r["seconds"] for r in rs] for m, rs in runs.items()},
         "ratio_continuous_vs_sequential": con_tps / seq_tps,
         "ratio_continuous_vs_static": con_tps / sta_tps,
         "ratio_static_vs_sequential": sta_tps / seq_tps,
@@ -214,12 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--sequential-subset", type=int, default=None,
                     help="time the (slow) sequential mode on only the first N requests")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="run static and continuous batching this many times each (alternating); report medians")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     from llmlib.fetch import resolve_model_path
@@ -233,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     res = bench(model, tok, reqs, static_batch=args.static_batch, max_num_seqs=args.max_num_seqs,
                 kv_budget_tokens=args.kv_budget_tokens or None,
                 block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                sequential_subset=args.sequential_subset, log=log)
+                sequential_subset=args.sequential_subset, repeats=args.repeats, log=log)
     if args.out:
         from pathlib import Path
 
