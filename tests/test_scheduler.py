@@ -150,3 +150,26 @@ def test_shared_prefix_is_computed_once_even_when_admitted_together():
     assert s.stats.prefill_tokens == 18 + 4 * 2
     assert s.stats.cached_tokens == 4 * 16
     assert bm.num_free_blocks == 64
+
+
+def test_admission_keeps_a_block_of_headroom_per_running_sequence():
+    """A prompt that would leave fewer free blocks than running sequences waits (no watermark here)."""
+    s4 = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                   watermark=0.0, headroom_blocks_per_seq=1)
+    for first in (0, 100, 200, 300):
+        s4.add(seq(8, max_tokens=4, first=first))
+    run_step(s4)
+    # 8 blocks: first (6 left), second (4 left >= 2), third would leave 2 < 3: it waits
+    assert len(s4.running) == 2 and len(s4.waiting) == 2
+    drain(s4)
+    assert s4.stats.preemptions == 0 and s4.bm.num_free_blocks == 8
+    s0 = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                   watermark=0.0, headroom_blocks_per_seq=0)
+    for first in (0, 100, 200, 300):
+        s0.add(seq(8, max_tokens=4, first=first))
+    run_step(s0)
+    assert len(s0.running) == 4  # no headroom: the pool is filled to the brim ...
+    drain(s0)
+    assert s0.stats.preemptions > 0  # ... and pays for it with preemptions
+    with pytest.raises(ValueError, match="headroom"):
+        Scheduler(BlockManager(8, 4), headroom_blocks_per_seq=-1)
