@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from llmlib.config import ModelConfig
+from llmlib.paged_cache import SeqChunk, StaticDecodeStep
 
 
 class StaticKVCache:
@@ -206,8 +207,6 @@ class PagedDecodeGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: Any, scratch_block: int, max_rows: int,
                  max_blocks: int, enabled: bool | None = None, warmup: int = 2) -> None:
-        from llmlib.paged_cache import StaticDecodeStep
-
         if max_rows < 1 or max_blocks < 1:
             raise ValueError(f"PagedDecodeGraphs: max_rows ({max_rows}) and max_blocks ({max_blocks}) must be >= 1")
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
@@ -215,7 +214,6 @@ class PagedDecodeGraphs:
         self.enabled = (cache.device.type == "cuda") if enabled is None else bool(enabled)
         if self.enabled and cache.device.type != "cuda":
             raise ValueError("PagedDecodeGraphs: CUDA graphs need the KV pool on a CUDA device")
-        self._make_step = StaticDecodeStep
         self._entries: dict[tuple[int, int], tuple[Any, Any, torch.Tensor | None]] = {}
         self._pool = None
         self.replays = 0  # steps served from a captured graph
@@ -235,7 +233,7 @@ class PagedDecodeGraphs:
     @torch.inference_mode()
     def _entry(self, key: tuple[int, int]) -> tuple[Any, Any, torch.Tensor | None]:
         if key not in self._entries:
-            step = self._make_step(self.cache, key[0], key[1], self.scratch_block)
+            step = StaticDecodeStep(self.cache, key[0], key[1], self.scratch_block)
             graph = out = None
             if self.enabled:
                 dev = self.cache.device
@@ -270,8 +268,6 @@ class PagedDecodeGraphs:
     @torch.inference_mode()
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold)."""
-        from llmlib.paged_cache import SeqChunk
-
         step, graph, out = self._entry(self.key(chunks))
         step.fill([SeqChunk(c.seq.block_table, c.start, 1) for c in chunks], token_ids)
         self.static_steps += 1
