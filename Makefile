@@ -1,6 +1,6 @@
 # The Inference Path: two commands do everything, on a fresh machine with Python 3.10+.
 #   make book   build the book (HTML in _build/html/intro.html)
-#   make test   unit tests, reference checks, notebooks, strict book build, page screenshots
+#   make test   lint, unit tests, reference checks, notebooks, strict book build, page screenshots
 # Both are idempotent: the virtual environment is made once and reinstalled only when
 # pyproject.toml changes; the model is fetched once and checked by its SHA-256.
 
@@ -10,14 +10,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JB     := $(BIN)/jupyter-book build -W -n --keep-going .
 
-.PHONY: book test venv fetch unit build-book pages gpu-check gpu-check-dry clean
+.PHONY: book test venv fetch lint unit build-book pages gpu-check gpu-check-dry clean
 
 book: venv fetch
 	$(JB)
 	@echo
 	@echo "The book is at $(CURDIR)/_build/html/intro.html"
 
-test: venv fetch unit build-book pages
+test: venv fetch lint unit build-book pages
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ $(STAMP): pyproject.toml
 
 fetch: venv
 	$(BIN)/llmlib fetch
+
+# Lint and format checks (ruff, configured in pyproject.toml): the package, the tests, the benchmarks.
+lint: venv
+	$(BIN)/ruff check llmlib tests benchmarks
+	$(BIN)/ruff format --check llmlib tests benchmarks
 
 # Unit tests and the checks against reference libraries (transformers, tokenizers, tiktoken).
 unit: venv fetch

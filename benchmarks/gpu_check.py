@@ -23,11 +23,11 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
 writes the same schema with ``"dry_run": true`` to ``gpu_check.dry_run.json``, so the real results
 file is never overwritten by a rehearsal.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
@@ -35,8 +35,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -46,17 +47,29 @@ sys.path.insert(0, str(ROOT))  # run from a plain copy of the tree, installed or
 from llmlib import roofline  # noqa: E402
 from llmlib.config import ModelConfig, get_config  # noqa: E402
 from llmlib.cuda_graphs import GraphedDecoder, StaticKVCache  # noqa: E402
-from llmlib.device import Timer, choose, copy_bandwidth, machine_info, synchronize  # noqa: E402
+from llmlib.device import Timer, choose, machine_info, synchronize  # noqa: E402
+from llmlib.roofline import measure_bandwidth  # noqa: E402
 
 SCHEMA = "llmlib.gpu_check/1"
 
 # The shapes the dry run uses instead of the real ones: same code, seconds on a CPU.
-TINY = ModelConfig(name="tiny-2layer", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                   max_seq_len=256, tie_embeddings=True, eos_token_ids=(2,))
+TINY = ModelConfig(
+    name="tiny-2layer",
+    vocab_size=512,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=128,
+    max_seq_len=256,
+    tie_embeddings=True,
+    eos_token_ids=(2,),
+)
 TINY_UNTIED = TINY.replace(name="tiny-2layer-untied", tie_embeddings=False)
 
 
 # ---- models ----------------------------------------------------------------------------------------
+
 
 def random_model(cfg: ModelConfig, device: Any, dtype: torch.dtype, seed: int = 0):
     from llmlib.model import random_model as build
@@ -71,17 +84,37 @@ def to_transformers(model: Any):
     cfg = model.config
     if cfg.rope_scaling is not None or cfg.n_experts:
         raise ValueError("to_transformers handles dense models without RoPE scaling")
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                         bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None)
-    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
-    parts = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
-             "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
-             "ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj", "ffn.w_down": "mlp.down_proj"}
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids) or None,
+    )
+    names = {
+        "embed.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    parts = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn.wq": "self_attn.q_proj",
+        "attn.wk": "self_attn.k_proj",
+        "attn.wv": "self_attn.v_proj",
+        "attn.wo": "self_attn.o_proj",
+        "ffn.w_gate": "mlp.gate_proj",
+        "ffn.w_up": "mlp.up_proj",
+        "ffn.w_down": "mlp.down_proj",
+    }
     state = {}
     for k, v in model.state_dict().items():
         m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", k)
@@ -94,7 +127,9 @@ def to_transformers(model: Any):
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"weight mapping to transformers failed: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"weight mapping to transformers failed: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     if cfg.tie_embeddings:
         hf.tie_weights()
     return hf.eval()
@@ -102,8 +137,11 @@ def to_transformers(model: Any):
 
 # ---- batch-1 decode timing ---------------------------------------------------------------------------
 
+
 @torch.inference_mode()
-def time_llmlib_decode(model: Any, prompt: torch.Tensor, new_tokens: int, use_graphs: bool, reps: int) -> dict:
+def time_llmlib_decode(
+    model: Any, prompt: torch.Tensor, new_tokens: int, use_graphs: bool, reps: int
+) -> dict:
     """Median prefill time and decode time per token at batch 1, greedy, with a static cache.
 
     The graphs are captured once, outside the timing; each repetition re-runs the prefill into the
@@ -131,9 +169,15 @@ def time_llmlib_decode(model: Any, prompt: torch.Tensor, new_tokens: int, use_gr
             decode.append(td.seconds / (new_tokens - 1))
         tokens = torch.cat(out, 1)[0].tolist()
     p, d = statistics.median(prefill), statistics.median(decode)
-    return {"prefill_s": p, "decode_s_per_token": d, "decode_tok_s": 1 / d,
-            "tok_s": new_tokens / (p + d * (new_tokens - 1)), "graphs": bool(dec.enabled and dec.graphs),
-            "capture_s": capture_s, "tokens": tokens}
+    return {
+        "prefill_s": p,
+        "decode_s_per_token": d,
+        "decode_tok_s": 1 / d,
+        "tok_s": new_tokens / (p + d * (new_tokens - 1)),
+        "graphs": bool(dec.enabled and dec.graphs),
+        "capture_s": capture_s,
+        "tokens": tokens,
+    }
 
 
 @torch.inference_mode()
@@ -144,7 +188,7 @@ def time_transformers(hf: Any, prompt: torch.Tensor, new_tokens: int, reps: int)
     def run(n: int) -> tuple[float, list[int]]:
         with Timer(dev) as tm:
             out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-        return tm.seconds, out[0, prompt.shape[1]:].tolist()
+        return tm.seconds, out[0, prompt.shape[1] :].tolist()
 
     run(new_tokens)  # warm-up
     firsts = [run(1)[0] for _ in range(reps)]
@@ -154,8 +198,13 @@ def time_transformers(hf: Any, prompt: torch.Tensor, new_tokens: int, reps: int)
         totals.append(s)
     p, total = statistics.median(firsts), statistics.median(totals)
     d = (total - p) / (new_tokens - 1)
-    return {"prefill_s": p, "decode_s_per_token": d, "decode_tok_s": 1 / d, "tok_s": new_tokens / total,
-            "tokens": tokens}
+    return {
+        "prefill_s": p,
+        "decode_s_per_token": d,
+        "decode_tok_s": 1 / d,
+        "tok_s": new_tokens / total,
+        "tokens": tokens,
+    }
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -170,20 +219,29 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 # ---- the sections --------------------------------------------------------------------------------------
 
+
 class Check:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.dry = args.dry_run
-        self.place = choose("cpu" if self.dry else args.device, "float32" if self.dry else args.dtype)
+        self.place = choose(
+            "cpu" if self.dry else args.device, "float32" if self.dry else args.dtype
+        )
         if not self.dry and not self.place.is_cuda:
-            raise SystemExit("gpu_check: no CUDA GPU is visible; use --dry-run to rehearse on the CPU")
+            raise SystemExit(
+                "gpu_check: no CUDA GPU is visible; use --dry-run to rehearse on the CPU"
+            )
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / ("gpu_check.dry_run.json" if self.dry else "gpu_check.json")
         info = machine_info(self.place.device)
         self.report: dict[str, Any] = {
-            "schema": SCHEMA, "dry_run": self.dry, "date": info["date"], "machine": info,
-            "device": str(self.place.device), "dtype": str(self.place.dtype).removeprefix("torch."),
+            "schema": SCHEMA,
+            "dry_run": self.dry,
+            "date": info["date"],
+            "machine": info,
+            "device": str(self.place.device),
+            "dtype": str(self.place.dtype).removeprefix("torch."),
             "sections": {},
         }
         self.t_start = time.perf_counter()
@@ -202,32 +260,61 @@ class Check:
         try:
             res = fn()
             res["ok"] = res.get("ok", True)
-        except Exception as e:  # noqa: BLE001 - one failing section must not lose the others
+        except Exception as e:
             traceback.print_exc()
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         res["seconds"] = time.perf_counter() - t0
         self.report["sections"][name] = res
         self.save()
-        print(json.dumps({k: v for k, v in res.items() if k not in ("tokens", "transformers_tokens")},
-                         default=str)[:600], flush=True)
+        print(
+            json.dumps(
+                {k: v for k, v in res.items() if k not in ("tokens", "transformers_tokens")},
+                default=str,
+            )[:600],
+            flush=True,
+        )
         if self.place.is_cuda:
             torch.cuda.empty_cache()
 
     # 1
     def tests(self) -> dict:
         # every test marked `gpu` in the suite (tests/test_gpu.py and any other owner's), nothing else
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.args.tests_timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests"),
+        ]
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.args.tests_timeout
+        )
         tail = (proc.stdout + proc.stderr).strip().splitlines()
-        summary = next((ln for ln in reversed(tail) if re.search(r"\b(passed|failed|skipped|error)", ln)), "")
-        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
-        return {"ok": proc.returncode == 0, "command": " ".join(cmd[1:]), "returncode": proc.returncode,
-                "summary": summary, **counts, "tail": tail[-15:] if proc.returncode else []}
+        summary = next(
+            (ln for ln in reversed(tail) if re.search(r"\b(passed|failed|skipped|error)", ln)), ""
+        )
+        counts = {
+            k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)
+        }
+        return {
+            "ok": proc.returncode == 0,
+            "command": " ".join(cmd[1:]),
+            "returncode": proc.returncode,
+            "summary": summary,
+            **counts,
+            "tail": tail[-15:] if proc.returncode else [],
+        }
 
     # 2
     def bandwidth(self) -> dict:
         nbytes = (64 << 20) if self.dry else (4 << 30)
-        bw = copy_bandwidth(self.place.device, nbytes=nbytes, reps=5)
+        bw = statistics.median(
+            measure_bandwidth(self.place.device, nbytes=nbytes, reps=5, kind="copy")
+        )
         self.copy_bw = bw
         return {"copy_bandwidth_GBps": bw / 1e9, "bytes_copied": nbytes, "counting": "read + write"}
 
@@ -239,25 +326,34 @@ class Check:
             cfg = TINY
             model = random_model(cfg, dev, dtype)
         else:
-            from llmlib.fetch import default_model_path
+            from llmlib.checkpoints import default_model_path
 
             gguf = default_model_path()
             if gguf.exists():
-                from llmlib.loading import load_model
+                from llmlib.checkpoints import load_model
 
                 model, weights = load_model(gguf, device=dev, dtype=dtype), "gguf Q4_1 dequantized"
             else:
                 model = random_model(get_config("smollm2-135m"), dev, dtype)
             cfg = model.config
-        p_len, n_new, reps = (8, 16, 2) if self.dry else (self.args.prompt_len, self.args.new_tokens, self.args.reps)
+        p_len, n_new, reps = (
+            (8, 16, 2) if self.dry else (self.args.prompt_len, self.args.new_tokens, self.args.reps)
+        )
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (1, p_len), generator=g).to(dev)
         eager = time_llmlib_decode(model, prompt, n_new, use_graphs=False, reps=reps)
         graphs = time_llmlib_decode(model, prompt, n_new, use_graphs=self.place.is_cuda, reps=reps)
-        res: dict[str, Any] = {"model": cfg.name, "weights": weights, "batch": 1, "prompt_tokens": p_len,
-                               "new_tokens": n_new, "reps": reps, "llmlib_eager": _strip(eager),
-                               "llmlib_graphs": _strip(graphs),
-                               "graphs_match_eager": graphs["tokens"] == eager["tokens"]}
+        res: dict[str, Any] = {
+            "model": cfg.name,
+            "weights": weights,
+            "batch": 1,
+            "prompt_tokens": p_len,
+            "new_tokens": n_new,
+            "reps": reps,
+            "llmlib_eager": _strip(eager),
+            "llmlib_graphs": _strip(graphs),
+            "graphs_match_eager": graphs["tokens"] == eager["tokens"],
+        }
         try:
             hf = to_transformers(model)
             ref = time_transformers(hf, prompt, n_new, reps)
@@ -265,7 +361,7 @@ class Check:
             res["transformers_tokens_agree"] = _agree(ref["tokens"], graphs["tokens"])
             res["speedup_vs_transformers"] = graphs["tok_s"] / ref["tok_s"]
             del hf
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
         return res
 
@@ -289,13 +385,28 @@ class Check:
         ph = roofline.decode(cfg, batch=1, context=p_len + n_new // 2, dtype=dt)
         t = graphs["decode_s_per_token"]
         achieved = ph.bytes / t
-        bw = getattr(self, "copy_bw", None) or copy_bandwidth(dev, nbytes=(64 << 20) if self.dry else (4 << 30))
-        res = {"model": cfg.name, "weights": "random", "batch": 1, "prompt_tokens": p_len, "new_tokens": n_new,
-               "reps": reps, "params": sum(p.numel() for p in model.parameters()),
-               "bytes_per_decode_step": ph.bytes, "llmlib_graphs": _strip(graphs), "llmlib_eager": _strip(eager),
-               "tok_s": graphs["decode_tok_s"], "ms_per_token": 1e3 * t, "achieved_GBps": achieved / 1e9,
-               "copy_bandwidth_GBps": bw / 1e9, "mbu_vs_copy": achieved / bw, "goal_mbu_vs_copy": 0.70,
-               "goal_met": achieved / bw >= 0.70}
+        bw = getattr(self, "copy_bw", None) or statistics.median(
+            measure_bandwidth(dev, nbytes=(64 << 20) if self.dry else (4 << 30), kind="copy")
+        )
+        res = {
+            "model": cfg.name,
+            "weights": "random",
+            "batch": 1,
+            "prompt_tokens": p_len,
+            "new_tokens": n_new,
+            "reps": reps,
+            "params": sum(p.numel() for p in model.parameters()),
+            "bytes_per_decode_step": ph.bytes,
+            "llmlib_graphs": _strip(graphs),
+            "llmlib_eager": _strip(eager),
+            "tok_s": graphs["decode_tok_s"],
+            "ms_per_token": 1e3 * t,
+            "achieved_GBps": achieved / 1e9,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "mbu_vs_copy": achieved / bw,
+            "goal_mbu_vs_copy": 0.70,
+            "goal_met": achieved / bw >= 0.70,
+        }
         if self.place.is_cuda:
             from llmlib.costs import get_gpu
 
@@ -304,8 +415,13 @@ class Check:
             if key:
                 roof = roofline.Roof.from_gpu(key)
                 pred = roofline.predict(ph, roof)
-                res.update({"datasheet_GBps": get_gpu(key).bandwidth / 1e9, "mbu_vs_datasheet": achieved / roof.bandwidth,
-                            "roofline_predicted_ms_per_token": 1e3 * pred.time})
+                res.update(
+                    {
+                        "datasheet_GBps": get_gpu(key).bandwidth / 1e9,
+                        "mbu_vs_datasheet": achieved / roof.bandwidth,
+                        "roofline_predicted_ms_per_token": 1e3 * pred.time,
+                    }
+                )
         del model
         return res
 
@@ -320,9 +436,13 @@ class Check:
         else:
             cfg = get_config(self.args.engine_model)
             n, lo, hi, max_seqs = self.args.requests, 100, 1024, self.args.max_num_seqs
-            cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len if cfg.max_seq_len <= 8192 else 4096, 2 * hi + 16))
+            cfg = cfg.replace(
+                max_seq_len=max(cfg.max_seq_len if cfg.max_seq_len <= 8192 else 4096, 2 * hi + 16)
+            )
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+        prompts = [
+            [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)
+        ]
         outs = [rng.randint(lo, hi) for _ in range(n)]
         model = random_model(cfg, dev, dtype)
         # cuda_graphs=True: decode steps replay CUDA graphs on the GPU; in the dry run the same
@@ -335,8 +455,11 @@ class Check:
         graphs = llm.capture_graphs(max_seqs, 2 * hi + 16)
         synchronize(dev)
         capture_s = time.perf_counter() - t_cap
-        llm.generate([prompts[0][:lo], prompts[1][:lo]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            [prompts[0][:lo], prompts[1][:lo]],
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
         g = llm.runner.graphs
         replays0, static0 = g.replays, g.static_steps
         llm.reset_stats()
@@ -358,21 +481,43 @@ class Check:
         st = llm.stats()
         finished_all = done == n
         in_tokens = sum(len(p) for p in prompts)
-        return {"model": cfg.name, "weights": "random", "requests": n, "prompt_len_range": [lo, hi],
-                "output_len_range": [lo, hi], "total_prompt_tokens": in_tokens, "total_output_tokens_planned": sum(outs),
-                "output_tokens": out_tokens, "completed_requests": done, "finished_all": finished_all,
-                "seconds": sec, "output_tok_s": out_tokens / sec, "requests_s": done / sec,
-                "total_tok_s": (out_tokens + (in_tokens if finished_all else 0)) / sec,
-                "median_ttft_s": statistics.median(first_token) if first_token else None,
-                "max_num_seqs": max_seqs, "num_blocks": st.num_blocks, "block_size": st.block_size,
-                "peak_used_blocks": st.peak_used_blocks, "preemptions": st.preemptions, "steps": st.steps,
-                "kv_waste": st.waste, "cuda_graphs": g.enabled, "graphs_captured": graphs,
-                "graph_capture_s": capture_s, "graph_replays": g.replays - replays0,
-                "fixed_shape_decode_steps": g.static_steps - static0, "ok": finished_all}
+        return {
+            "model": cfg.name,
+            "weights": "random",
+            "requests": n,
+            "prompt_len_range": [lo, hi],
+            "output_len_range": [lo, hi],
+            "total_prompt_tokens": in_tokens,
+            "total_output_tokens_planned": sum(outs),
+            "output_tokens": out_tokens,
+            "completed_requests": done,
+            "finished_all": finished_all,
+            "seconds": sec,
+            "output_tok_s": out_tokens / sec,
+            "requests_s": done / sec,
+            "total_tok_s": (out_tokens + (in_tokens if finished_all else 0)) / sec,
+            "median_ttft_s": statistics.median(first_token) if first_token else None,
+            "max_num_seqs": max_seqs,
+            "num_blocks": st.num_blocks,
+            "block_size": st.block_size,
+            "peak_used_blocks": st.peak_used_blocks,
+            "preemptions": st.preemptions,
+            "steps": st.steps,
+            "kv_waste": st.waste,
+            "cuda_graphs": g.enabled,
+            "graphs_captured": graphs,
+            "graph_capture_s": capture_s,
+            "graph_replays": g.replays - replays0,
+            "fixed_shape_decode_steps": g.static_steps - static0,
+            "ok": finished_all,
+        }
 
     def run(self) -> int:
-        print(f"gpu_check: {'DRY RUN on ' if self.dry else ''}{self.report['machine']['device_name']} "
-              f"({self.place}); writing {self.path}", flush=True)
+        print(
+            f"gpu_check: {'DRY RUN on ' if self.dry else ''}{self.report['machine']['device_name']} "
+            f"({self.place}); writing {self.path}",
+            flush=True,
+        )
         if not self.args.skip_tests:
             self.section("tests", self.tests)
         self.section("copy_bandwidth", self.bandwidth)
@@ -382,8 +527,11 @@ class Check:
         ok = all(s.get("ok") for s in self.report["sections"].values())
         self.report["ok"] = ok
         self.save()
-        print(f"gpu_check: {'all sections ok' if ok else 'SOME SECTIONS FAILED'} in "
-              f"{self.report['elapsed_s']:.1f} s -> {self.path}", flush=True)
+        print(
+            f"gpu_check: {'all sections ok' if ok else 'SOME SECTIONS FAILED'} in "
+            f"{self.report['elapsed_s']:.1f} s -> {self.path}",
+            flush=True,
+        )
         return 0 if ok else 1
 
 
@@ -393,20 +541,35 @@ def _strip(d: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="folder for the JSON results")
-    ap.add_argument("--dry-run", action="store_true", help="rehearse everything on the CPU with tiny shapes")
+    ap.add_argument(
+        "--out", default=str(ROOT / "results" / "gpu"), help="folder for the JSON results"
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="rehearse everything on the CPU with tiny shapes"
+    )
     ap.add_argument("--device", default=None, help="default: cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--only", nargs="*", default=None,
-                    help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 engine_throughput")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 engine_throughput",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--engine-model", default="llama-3.1-8b", help="preset shape for the throughput run")
+    ap.add_argument(
+        "--engine-model", default="llama-3.1-8b", help="preset shape for the throughput run"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--engine-timeout", type=float, default=240.0, help="stop the throughput run after this long")
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=240.0,
+        help="stop the throughput run after this long",
+    )
     ap.add_argument("--tests-timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
     return Check(args).run()

@@ -3,10 +3,10 @@
 The public names are imported lazily, so ``import llmlib`` stays fast and a reader who only
 wants the tokenizer never pays for importing the model.
 """
+
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from llmlib._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -16,30 +16,19 @@ _EXPORTS: dict[str, str] = {
     "RopeScaling": "llmlib.config",
     "PRESETS": "llmlib.config",
     "get_config": "llmlib.config",
-    "fetch_model": "llmlib.fetch",
-    "default_model_path": "llmlib.fetch",
-    "GPUS": "llmlib.costs",
+    "fetch_model": "llmlib.checkpoints",
+    "default_model_path": "llmlib.checkpoints",
+    "GPUS": "llmlib.gpus",
     "train_bpe": "llmlib.tokenizer",
     "load_tokenizer": "llmlib.tokenizer",
     "Tokenizer": "llmlib.tokenizer",
     "Transformer": "llmlib.model",
-    "load_model": "llmlib.loading",
+    "load_model": "llmlib.checkpoints",
     "Generator": "llmlib.generate",
     "LLM": "llmlib.engine",
+    "AsyncLLM": "llmlib.engine",
     "SamplingParams": "llmlib.sampling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llmlib' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -9,15 +9,14 @@ the block is two lines in :meth:`Block.forward`.
 * :class:`MoEFeedForward` — Mixtral-style mixture of experts: a router scores ``E`` SwiGLU experts
   per token, the top ``k`` run, their outputs are mixed by the renormalised router weights.
 """
-from __future__ import annotations
 
-from typing import Any
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.attention import Attention, register_fused_linear
+from llmlib.attention import AttendingCache, Attention, KVCacheLike, register_fused_linear
 from llmlib.config import ModelConfig
 from llmlib.linear import linear
 
@@ -35,7 +34,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # PyTorch's fused kernel: one call instead of five, same numbers
+        if (
+            x.dtype == torch.float32
+        ):  # PyTorch's fused kernel: one call instead of five, same numbers
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
@@ -70,12 +71,20 @@ class MoEFeedForward(nn.Module):
     expert sees only the tokens routed to it, so a token pays for ``k`` FFNs, not ``E``.
     """
 
-    def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        n_experts: int,
+        top_k: int,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(d_model, n_experts, bias=False, device=device)
-        self.experts = nn.ModuleList(FeedForward(d_model, ffn_dim, device) for _ in range(n_experts))
+        self.experts = nn.ModuleList(
+            FeedForward(d_model, ffn_dim, device) for _ in range(n_experts)
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] float32, expert ids [N, k])."""
@@ -98,19 +107,27 @@ class MoEFeedForward(nn.Module):
 class Block(nn.Module):
     """One layer: ``x += attn(attn_norm(x))``; ``x += ffn(ffn_norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, device: torch.device | str | None = None):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int = 0, device: torch.device | str | None = None
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.attn = Attention(cfg, layer_idx, device)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         if cfg.n_experts:
-            self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.n_experts_per_token, device)
+            self.ffn: nn.Module = MoEFeedForward(
+                cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.n_experts_per_token, device
+            )
         else:
             self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        positions: torch.Tensor | None = None, cache: Any = None,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCacheLike | AttendingCache | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
         return x + self.ffn(self.ffn_norm(x))

@@ -17,14 +17,15 @@ On the CPU there is nothing to capture: :class:`GraphedDecoder` then calls the m
 which is the same code path the tests exercise. :func:`compile_step` is the other route,
 ``torch.compile(mode="reduce-overhead")``, which captures graphs behind the compiler's back.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from llmlib.config import ModelConfig
-from llmlib.paged_cache import SeqChunk, StaticDecodeStep
 
 
 class StaticKVCache:
@@ -37,10 +38,18 @@ class StaticKVCache:
     ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
     """
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int,
-                 device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_batch: int,
+        max_len: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if max_batch < 1 or max_len < 1:
-            raise ValueError(f"StaticKVCache: max_batch ({max_batch}) and max_len ({max_len}) must be >= 1")
+            raise ValueError(
+                f"StaticKVCache: max_batch ({max_batch}) and max_len ({max_len}) must be >= 1"
+            )
         shape = (cfg.n_layers, max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -76,19 +85,31 @@ class GraphedDecoder:
     simply calls ``model(ids, positions, cache)``: the same results, without the launch savings.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                 enabled: bool | None = None, warmup: int = 3):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticKVCache,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8),
+        enabled: bool | None = None,
+        warmup: int = 3,
+    ):
         self.model, self.cache = model, cache
         self.enabled = _default_enabled(model) if enabled is None else bool(enabled)
         self.batch_sizes = sorted({int(b) for b in batch_sizes})
-        if not self.batch_sizes or self.batch_sizes[0] < 1 or self.batch_sizes[-1] > cache.max_batch:
-            raise ValueError(f"batch_sizes {list(batch_sizes)} must lie in 1..cache.max_batch ({cache.max_batch})")
+        if (
+            not self.batch_sizes
+            or self.batch_sizes[0] < 1
+            or self.batch_sizes[-1] > cache.max_batch
+        ):
+            raise ValueError(
+                f"batch_sizes {list(batch_sizes)} must lie in 1..cache.max_batch ({cache.max_batch})"
+            )
         self.warmup = warmup
         self.graphs: dict[int, Any] = {}
         self._io: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def capture(self) -> "GraphedDecoder":
+    def capture(self) -> GraphedDecoder:
         """Record one graph per batch size (CUDA only; a no-op when disabled)."""
         if not self.enabled:
             return self
@@ -116,13 +137,17 @@ class GraphedDecoder:
         for bs in self.batch_sizes:
             if bs >= b:
                 return bs
-        raise ValueError(f"batch of {b} is larger than the largest captured size {self.batch_sizes[-1]}")
+        raise ValueError(
+            f"batch of {b} is larger than the largest captured size {self.batch_sizes[-1]}"
+        )
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.shape[1] != 1 or positions.shape != ids.shape:
-            raise ValueError(f"decode step takes ids and positions of shape [B, 1]; got {tuple(ids.shape)} "
-                             f"and {tuple(positions.shape)}")
+            raise ValueError(
+                f"decode step takes ids and positions of shape [B, 1]; got {tuple(ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
         if not self.enabled or not self.graphs:
             return self.model(ids, positions, self.cache)
         b = ids.shape[0]
@@ -137,7 +162,9 @@ class GraphedDecoder:
         return out[:b]
 
 
-def compile_step(fn: Callable[..., Any], mode: str = "reduce-overhead", enabled: bool | None = None) -> Callable[..., Any]:
+def compile_step(
+    fn: Callable[..., Any], mode: str = "reduce-overhead", enabled: bool | None = None
+) -> Callable[..., Any]:
     """``torch.compile`` a step function on CUDA (graphs captured by the compiler); identity on the CPU.
 
     Compiling on this book's CPU would cost minutes of compile time for a few percent, so the
@@ -149,8 +176,13 @@ def compile_step(fn: Callable[..., Any], mode: str = "reduce-overhead", enabled:
 
 
 @torch.inference_mode()
-def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, use_graphs: bool | None = None,
-                  batch_sizes: Sequence[int] | None = None) -> torch.Tensor:
+def greedy_decode(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    use_graphs: bool | None = None,
+    batch_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Greedy generation of ``max_new_tokens`` for a batch of equal-length prompts ``[B, T]``.
 
     The tight loop of the batch-1 benchmarks: prefill once (eagerly), then one decode step per
@@ -158,7 +190,9 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: 
     ``.item()``), so the CPU can run ahead of the GPU. Returns the new tokens ``[B, max_new_tokens]``.
     """
     if prompt.dim() != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must be a LongTensor [B, T] with T >= 1, got shape {tuple(prompt.shape)}")
+        raise ValueError(
+            f"prompt must be a LongTensor [B, T] with T >= 1, got shape {tuple(prompt.shape)}"
+        )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     b, t = prompt.shape
@@ -180,100 +214,3 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: 
         out[:, i : i + 1] = nxt
         pos += 1
     return out
-
-
-def _bucket(n: int, limit: int) -> int:
-    """The smallest power of two >= n, capped at ``limit`` (n itself must be <= limit)."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, limit)
-
-
-class PagedDecodeGraphs:
-    """The batching engine's decode steps on CUDA graphs (``llmlib.LLM`` on a GPU).
-
-    A step in which every scheduled sequence decodes one token is run on a
-    :class:`~llmlib.paged_cache.StaticDecodeStep` of ``rows x blocks``, both rounded up to a power
-    of two (at most ``max_rows`` and ``max_blocks``): a batch of 37 sequences whose longest history
-    spans 9 blocks runs in the step for 64 rows of 16 blocks. One graph per such pair is captured
-    the first time it is needed (or ahead of time with :meth:`capture`), after a warm-up; every
-    graph shares one memory pool. Steps that hold a prompt chunk, or exceed the limits, run eagerly.
-
-    ``forward(ids, positions, step)`` is the engine's forward pass, returning ``[rows, vocab]``
-    logits. With ``enabled=False`` (the default off CUDA) the same fixed-shape steps run eagerly
-    without capture, which is what the CPU tests exercise.
-    """
-
-    def __init__(self, forward: Callable[..., torch.Tensor], cache: Any, scratch_block: int, max_rows: int,
-                 max_blocks: int, enabled: bool | None = None, warmup: int = 2) -> None:
-        if max_rows < 1 or max_blocks < 1:
-            raise ValueError(f"PagedDecodeGraphs: max_rows ({max_rows}) and max_blocks ({max_blocks}) must be >= 1")
-        self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
-        self.max_rows, self.max_blocks, self.warmup = max_rows, max_blocks, warmup
-        self.enabled = (cache.device.type == "cuda") if enabled is None else bool(enabled)
-        if self.enabled and cache.device.type != "cuda":
-            raise ValueError("PagedDecodeGraphs: CUDA graphs need the KV pool on a CUDA device")
-        self._entries: dict[tuple[int, int], tuple[Any, Any, torch.Tensor | None]] = {}
-        self._pool = None
-        self.replays = 0  # steps served from a captured graph
-        self.static_steps = 0  # steps served by a fixed-shape step (graph or not)
-
-    def fits(self, chunks: Sequence[Any]) -> bool:
-        """Whether a step of these chunks can run here: all single tokens, within the limits."""
-        if not chunks or len(chunks) > self.max_rows or any(c.length != 1 for c in chunks):
-            return False
-        bs = self.cache.block_size
-        return max(c.start // bs + 1 for c in chunks) <= self.max_blocks
-
-    def key(self, chunks: Sequence[Any]) -> tuple[int, int]:
-        bs = self.cache.block_size
-        return (_bucket(len(chunks), self.max_rows), _bucket(max(c.start // bs + 1 for c in chunks), self.max_blocks))
-
-    @torch.inference_mode()
-    def _entry(self, key: tuple[int, int]) -> tuple[Any, Any, torch.Tensor | None]:
-        if key not in self._entries:
-            step = StaticDecodeStep(self.cache, key[0], key[1], self.scratch_block)
-            graph = out = None
-            if self.enabled:
-                dev = self.cache.device
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                # Warm up on a side stream (lazy initialisation must not happen inside a capture).
-                # The fresh step is all padding, so these passes write only into the scratch block.
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    for _ in range(self.warmup):
-                        self.forward(step.ids, step.positions, step)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.forward(step.ids, step.positions, step)
-            self._entries[key] = (step, graph, out)
-        return self._entries[key]
-
-    def capture(self, max_rows: int | None = None, max_blocks: int | None = None) -> int:
-        """Capture ahead of time every (rows, blocks) step up to these sizes (default: the limits),
-        largest first, so that timed runs never pay for a capture. Returns how many exist."""
-        R = min(max_rows or self.max_rows, self.max_rows)
-        NB = min(max_blocks or self.max_blocks, self.max_blocks)
-        rows = sorted({_bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
-        blocks = sorted({_bucket(n, self.max_blocks) for n in range(1, NB + 1)}, reverse=True)
-        for r in rows:
-            for b in blocks:
-                self._entry((r, b))
-        return len(self._entries)
-
-    @torch.inference_mode()
-    def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold)."""
-        step, graph, out = self._entry(self.key(chunks))
-        step.fill([SeqChunk(c.seq.block_table, c.start, 1) for c in chunks], token_ids)
-        self.static_steps += 1
-        if graph is None:
-            out = self.forward(step.ids, step.positions, step)
-        else:
-            graph.replay()
-            self.replays += 1
-        return out[: len(chunks)]

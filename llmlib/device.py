@@ -10,6 +10,7 @@ Timing a GPU is a trap: kernels are queued asynchronously, so a wall clock read 
 call measures the queueing, not the work. :class:`Timer` synchronises (or uses CUDA events) so
 the number is the work.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,20 +18,17 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
-}
+from llmlib.dtypes import torch_dtype
 
 
-def pick_device(device: "str | torch.device | None" = None) -> torch.device:
+def pick_device(device: str | torch.device | None = None) -> torch.device:
     """``None`` means CUDA when a GPU is visible, else the CPU; anything else is checked and used.
 
     Asking for CUDA on a machine without it is an error rather than a silent fallback: a
@@ -41,27 +39,27 @@ def pick_device(device: "str | torch.device | None" = None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device: {device!r} is not a device name (try 'cpu', 'cuda' or 'cuda:1')") from e
+        raise ValueError(
+            f"device: {device!r} is not a device name (try 'cpu', 'cuda' or 'cuda:1')"
+        ) from e
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} was asked for, but torch sees no CUDA GPU on this machine")
-    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(
+            f"device: {device!r} was asked for, but torch sees no CUDA GPU on this machine"
+        )
+    if dev.type == "mps" and not (
+        hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    ):
         raise ValueError(f"device: {device!r} was asked for, but MPS is not available")
     return dev
 
 
-def pick_dtype(device: "str | torch.device", dtype: "str | torch.dtype | None" = None) -> torch.dtype:
-    """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted."""
+def pick_dtype(device: str | torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted
+    (:mod:`llmlib.dtypes` is the one table of names)."""
     dev = torch.device(device)
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype: {dtype} is not a floating-point type")
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPE_NAMES:
-        raise ValueError(f"dtype: unknown name {dtype!r}; use one of float32, bfloat16, float16")
-    return _DTYPE_NAMES[key]
+    return torch_dtype(dtype)
 
 
 @dataclass(frozen=True)
@@ -79,13 +77,15 @@ class Placement:
         return f"{self.device} / {str(self.dtype).removeprefix('torch.')}"
 
 
-def choose(device: "str | torch.device | None" = None, dtype: "str | torch.dtype | None" = None) -> Placement:
+def choose(
+    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+) -> Placement:
     """Resolve a (device, dtype) request into a :class:`Placement` (defaults: CUDA+bf16, else CPU+fp32)."""
     dev = pick_device(device)
     return Placement(dev, pick_dtype(dev, dtype))
 
 
-def synchronize(device: "str | torch.device | None" = None) -> None:
+def synchronize(device: str | torch.device | None = None) -> None:
     """Wait until queued work on ``device`` is done (a no-op on the CPU, where calls are synchronous)."""
     dev = torch.device(device) if device is not None else None
     if (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda"):
@@ -99,11 +99,11 @@ class Timer:
     ``time.perf_counter``.
     """
 
-    def __init__(self, device: "str | torch.device | None" = None):
+    def __init__(self, device: str | torch.device | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seconds = float("nan")
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         if self.device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
@@ -121,39 +121,57 @@ class Timer:
             self.seconds = time.perf_counter() - self._t0
 
 
-def time_fn(fn: Callable[[], Any], device: "str | torch.device | None" = None, warmup: int = 2,
-            reps: int = 5) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones.
+def timings(
+    fn: Callable[[], Any],
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    reps: int = 5,
+    *,
+    before: Callable[[], Any] | None = None,
+    budget_s: float | None = None,
+) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn()`` after ``warmup`` untimed ones: the one timer.
+
+    ``before`` runs untimed ahead of every run (to clear a cache, say). With ``budget_s``, a slow
+    ``fn`` gets fewer runs (never fewer than 3) so the whole measurement takes about that long.
+    On CUDA each run is timed with events and a synchronisation (:class:`Timer`).
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    n = max(0, reps)
+    i = 0
+    while i < n:
+        if before is not None:
+            before()
+        with Timer(device) as t:
+            fn()
+        times.append(t.seconds)
+        if i == 0 and budget_s is not None:
+            n = max(min(3, reps), min(reps, int(budget_s / max(t.seconds, 1e-9))))
+        i += 1
+    return times
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: str | torch.device | None = None,
+    warmup: int = 2,
+    reps: int = 5,
+    **kw: Any,
+) -> float:
+    """Median seconds of ``fn()`` (see :func:`timings`).
 
     The median, not the mean: these machines are shared, and one stalled run should not move
     the figure.
     """
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(max(1, reps)):
-        with Timer(device) as t:
-            fn()
-        times.append(t.seconds)
-    return statistics.median(times)
+    return statistics.median(timings(fn, device, warmup, max(1, reps), **kw))
 
 
-def copy_bandwidth(device: "str | torch.device | None" = None, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Measured memory bandwidth in bytes/s: a large device-to-device copy, counting read + write.
-
-    This is the ceiling a decode step can hope for (it must read every weight once), so model
-    bandwidth utilisation is quoted against it as well as against the datasheet.
-    """
-    dev = pick_device(device)
-    n = max(1, nbytes // 4)
-    src = torch.empty(n, dtype=torch.float32, device=dev).fill_(1.0)
-    dst = torch.empty_like(src)
-    sec = time_fn(lambda: dst.copy_(src), dev, warmup=2, reps=reps)
-    return 2 * n * 4 / sec
-
-
-def device_name(device: "str | torch.device | None" = None) -> str:
+def device_name(device: str | torch.device | None = None) -> str:
     """A human name for the machine that ran the numbers: the GPU's name or the CPU model."""
     dev = pick_device(device) if device is None else torch.device(device)
     if dev.type == "cuda":
@@ -172,7 +190,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(device: "str | torch.device | None" = None) -> dict[str, Any]:
+def machine_info(device: str | torch.device | None = None) -> dict[str, Any]:
     """Everything a recorded benchmark should carry about where and when it ran."""
     dev = pick_device(device) if device is None else torch.device(device)
     info: dict[str, Any] = {
@@ -188,10 +206,12 @@ def machine_info(device: "str | torch.device | None" = None) -> dict[str, Any]:
     }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
-        info.update({
-            "cuda": torch.version.cuda,
-            "gpu_memory_bytes": int(props.total_memory),
-            "gpu_sm_count": int(props.multi_processor_count),
-            "gpu_capability": f"{props.major}.{props.minor}",
-        })
+        info.update(
+            {
+                "cuda": torch.version.cuda,
+                "gpu_memory_bytes": int(props.total_memory),
+                "gpu_sm_count": int(props.multi_processor_count),
+                "gpu_capability": f"{props.major}.{props.minor}",
+            }
+        )
     return info

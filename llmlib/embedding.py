@@ -7,6 +7,7 @@ costs ``d_model`` reads per token instead of ``vocab * d_model`` multiply-adds.
 The LM head is the reverse map, ``logits = h @ W^T``. Many small models (SmolLM2, Llama-3.2-1B)
 *tie* it to the embedding table, reusing the same matrix; larger ones keep a separate ``lm_head``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,9 @@ class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, device: torch.device | str | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model, device=device))
-        if self.weight.device.type != "meta":  # a loader builds on meta and fills from the checkpoint
+        if (
+            self.weight.device.type != "meta"
+        ):  # a loader builds on meta and fills from the checkpoint
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -12,16 +12,15 @@ is exactly chapter 1's formula ``2 · layers · kv_heads · head_dim · tokens �
 Preallocating means no tensor grows during generation (no copies, no fragmentation); chapter 10
 replaces it by a paged cache that hands out memory in blocks as sequences grow.
 """
+
 from __future__ import annotations
 
 import torch
 
 from llmlib.config import ModelConfig
+from llmlib.shapes import kv_cache_bytes
 
-
-def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int, dtype_bytes: int) -> int:
-    """Chapter 1's formula: keys and values (the 2), for every layer, KV head and token."""
-    return 2 * n_layers * n_kv_heads * head_dim * tokens * dtype_bytes
+__all__ = ["KVCache", "kv_cache_bytes"]  # the formula is chapter 1's, shown in chapter 8
 
 
 class KVCache:
@@ -33,10 +32,23 @@ class KVCache:
     the new tokens count as stored.
     """
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        for name, v in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
-                        ("max_len", max_len), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        for name, v in (
+            ("n_layers", n_layers),
+            ("batch", batch),
+            ("n_kv_heads", n_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KVCache.{name} must be a positive int, got {v!r}")
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
@@ -50,9 +62,23 @@ class KVCache:
         self._all_true = torch.ones(1, 1, 1, max_len, dtype=torch.bool, device=device)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, batch: int = 1, max_len: int | None = None,
-                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "KVCache":
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len or cfg.max_seq_len, cfg.head_dim, device, dtype)
+    def from_config(
+        cls,
+        cfg: ModelConfig,
+        batch: int = 1,
+        max_len: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> KVCache:
+        return cls(
+            cfg.n_layers,
+            batch,
+            cfg.n_kv_heads,
+            max_len or cfg.max_seq_len,
+            cfg.head_dim,
+            device,
+            dtype,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +89,7 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Bytes one more token of one sequence costs: the formula with tokens = 1."""
         _, _, h, _, d = self.k.shape
-        return kv_cache_bytes(self.n_layers, h, d, 1, self.k.element_size())
+        return int(kv_cache_bytes(self.n_layers, h, d, 1, self.k.element_size()))
 
     def reset(self) -> None:
         """Forget everything stored (the memory stays allocated for the next request)."""
@@ -76,8 +102,9 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store the new keys/values ``k``, ``v`` [B, Hkv, T, hd] of ``layer``; return all of them.
 
         The new tokens go at positions ``length .. length+T-1`` (the caller's ``positions`` are
@@ -89,7 +116,9 @@ class KVCache:
         B, _, T, _ = k.shape
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache is full: {start} tokens stored + {T} new > max_len {self.max_len}")
+            raise ValueError(
+                f"KV cache is full: {start} tokens stored + {T} new > max_len {self.max_len}"
+            )
         if B != self.batch:
             raise ValueError(f"KV cache holds {self.batch} rows, got keys for {B}")
         self.k[layer, :, :, start:end] = k

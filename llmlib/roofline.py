@@ -18,7 +18,7 @@ This module has two halves:
   :mod:`llmlib.costs` (one place counts parameters), the intensity, the predicted time and the
   bound;
 * the **measurement** of a machine's two ceilings: the median throughput of a large matmul per
-  dtype, and the median bandwidth of a large streaming copy, timed with CUDA events on a GPU.
+  dtype, and the median bandwidth of reading a large buffer, timed with CUDA events on a GPU.
 
 Weight-only quantization (``weight_dtype="q8_0"`` or ``"q4_1"``, the GGUF formats) shrinks the
 weight bytes and leaves the FLOPs alone, which lowers the decode floor in proportion. Note that
@@ -26,6 +26,7 @@ llmlib's GGUF loader dequantizes to float at load time, so on llmlib's own model
 decode step actually reads are the float bytes; the quantized floor is what a kernel reading the
 packed blocks directly would reach.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,6 +36,8 @@ from typing import Any
 
 from llmlib import costs as C
 from llmlib.config import ModelConfig, get_config
+from llmlib.dtypes import canonical
+from llmlib.gpus import GPU, get_gpu
 
 #: ``weight_bits`` shorthand -> the GGUF block format the book's loaders read.
 WEIGHT_BITS: dict[int, str] = {8: "q8_0", 4: "q4_1"}
@@ -85,7 +88,9 @@ def _resolve_weight_dtype(dtype: str, weight_dtype: str | None, weight_bits: int
         if weight_dtype is not None:
             raise ValueError("give weight_dtype or weight_bits, not both")
         if weight_bits not in WEIGHT_BITS:
-            raise ValueError(f"weight_bits must be one of {sorted(WEIGHT_BITS)} (or None for {dtype}), got {weight_bits!r}")
+            raise ValueError(
+                f"weight_bits must be one of {sorted(WEIGHT_BITS)} (or None for {dtype}), got {weight_bits!r}"
+            )
         return WEIGHT_BITS[weight_bits]
     wd = weight_dtype or dtype
     C.bytes_per_param(wd)  # validates the name
@@ -93,7 +98,7 @@ def _resolve_weight_dtype(dtype: str, weight_dtype: str | None, weight_bits: int
 
 
 def phase(
-    cfg: "ModelConfig | str",
+    cfg: ModelConfig | str,
     kind: str,
     tokens: int | None = None,
     batch: int = 1,
@@ -138,19 +143,22 @@ def phase(
         context=context,
         dtype=dtype,
         weight_dtype=wd,
-        flops=batch * C.prefill_flops(cfg, tokens, past=context) - skipped * 2.0 * C.param_counts(cfg).lm_head_read,
-        weight_bytes=C.pass_weight_bytes(cfg, wd, experts_read=experts) + rows * C.embedding_row_bytes(cfg, wd),
+        flops=batch * C.prefill_flops(cfg, tokens, past=context)
+        - skipped * 2.0 * C.param_counts(cfg).lm_head_read,
+        weight_bytes=C.pass_weight_bytes(cfg, wd, experts_read=experts)
+        + rows * C.embedding_row_bytes(cfg, wd),
         kv_bytes=batch * (context + tokens) * kv_tok,
-        activation_bytes=rows * C.activation_bytes_per_token(cfg, dtype) - skipped * cfg.vocab_size * 4.0,
+        activation_bytes=rows * C.activation_bytes_per_token(cfg, dtype)
+        - skipped * cfg.vocab_size * 4.0,
     )
 
 
-def prefill(cfg: "ModelConfig | str", tokens: int, batch: int = 1, **kw: Any) -> Phase:
+def prefill(cfg: ModelConfig | str, tokens: int, batch: int = 1, **kw: Any) -> Phase:
     """:func:`phase` for a prefill of ``tokens`` prompt tokens per sequence."""
     return phase(cfg, "prefill", tokens=tokens, batch=batch, **kw)
 
 
-def decode(cfg: "ModelConfig | str", batch: int = 1, context: int = 0, **kw: Any) -> Phase:
+def decode(cfg: ModelConfig | str, batch: int = 1, context: int = 0, **kw: Any) -> Phase:
     """:func:`phase` for one decode step of ``batch`` sequences with ``context`` cached tokens each."""
     return phase(cfg, "decode", tokens=1, batch=batch, context=context, **kw)
 
@@ -178,9 +186,9 @@ class Roof:
         return min(self.peak_flops, intensity * self.bandwidth)
 
     @classmethod
-    def from_gpu(cls, gpu: "C.GPU | str") -> "Roof":
+    def from_gpu(cls, gpu: GPU | str) -> Roof:
         """A GPU of :data:`llmlib.costs.GPUS`, at its dense bf16 datasheet figures."""
-        g = C.get_gpu(gpu)
+        g = get_gpu(gpu)
         return cls(g.name, g.flops, g.bandwidth, g.source)
 
 
@@ -216,7 +224,7 @@ def predict(ph: Phase, roof: Roof) -> Prediction:
 
 
 def crossover_batch(
-    cfg: "ModelConfig | str", roof: Roof, context: int = 0, max_batch: int = 1 << 20, **kw: Any
+    cfg: ModelConfig | str, roof: Roof, context: int = 0, max_batch: int = 1 << 20, **kw: Any
 ) -> int | None:
     """The smallest decode batch at which a step turns compute-bound on ``roof``, or None.
 
@@ -225,6 +233,7 @@ def crossover_batch(
     long contexts its bytes grow with B as fast as the FLOPs do, intensity saturates, and the step
     may never become compute-bound (the function then returns None).
     """
+
     def compute_bound(b: int) -> bool:
         return predict(decode(cfg, batch=b, context=context, **kw), roof).bound == "compute"
 
@@ -247,58 +256,37 @@ def crossover_batch(
 
 @dataclass
 class Ceilings:
-    """This machine's measured ceilings: median matmul FLOP/s per dtype and copy bandwidth."""
+    """This machine's measured ceilings: median matmul FLOP/s per dtype and read bandwidth."""
 
     device: str
     device_name: str
     matmul_flops: dict[str, float]  # dtype name -> FLOP/s
-    bandwidth: float  # bytes/s, a large copy counting read + write
+    bandwidth: float  # bytes/s, reading a buffer far larger than every cache
     matmul_n: int
-    copy_bytes: int
+    bandwidth_bytes: int  # size of that buffer
     samples: dict[str, list[float]] = field(default_factory=dict)  # raw per-rep figures
 
     def roof(self, dtype: str = "float32") -> Roof:
         """The roofline at ``dtype``'s measured matmul peak and the measured bandwidth."""
-        key = _torch_dtype_name(dtype)
+        key = canonical(dtype)
         if key not in self.matmul_flops:
-            raise ValueError(f"no matmul measured at {dtype!r}; measured: {', '.join(self.matmul_flops)}")
-        return Roof(f"{self.device_name} ({key}, measured)", self.matmul_flops[key], self.bandwidth, "measured here")
-
-    @property
-    def fastest_dtype(self) -> str:
-        return max(self.matmul_flops, key=self.matmul_flops.__getitem__)
+            raise ValueError(
+                f"no matmul measured at {dtype!r}; measured: {', '.join(self.matmul_flops)}"
+            )
+        return Roof(
+            f"{self.device_name} ({key}, measured)",
+            self.matmul_flops[key],
+            self.bandwidth,
+            "measured here",
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _torch_dtype_name(dtype: Any) -> str:
-    import torch
-
-    from llmlib.device import pick_dtype
-
-    if isinstance(dtype, str) and dtype.lower() in ("f32", "fp32", "float32", "float"):
-        return "float32"
-    return str(pick_dtype("cpu", dtype)).removeprefix("torch.")
-
-
-def time_reps(fn: Any, device: Any, warmup: int, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` runs of ``fn`` after ``warmup`` untimed ones (CUDA events on a GPU)."""
-    from llmlib.device import Timer, synchronize
-
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    out = []
-    for _ in range(reps):
-        with Timer(device) as t:
-            fn()
-        out.append(t.seconds)
-    return out
-
-
-def measure_matmul(dtype: Any = "float32", device: Any = None, n: int | None = None, reps: int = 5,
-                   warmup: int = 2) -> list[float]:
+def measure_matmul(
+    dtype: Any = "float32", device: Any = None, n: int | None = None, reps: int = 5, warmup: int = 2
+) -> list[float]:
     """FLOP/s of ``reps`` square ``n x n`` matmuls (``2 n^3`` FLOPs each) at ``dtype``, after a warm-up.
 
     ``n`` defaults to 1024 on a CPU (big enough to leave the cache-friendly regime of small
@@ -312,7 +300,7 @@ def measure_matmul(dtype: Any = "float32", device: Any = None, n: int | None = N
     """
     import torch
 
-    from llmlib.device import pick_device, pick_dtype
+    from llmlib.device import pick_device, pick_dtype, timings
     from llmlib.linear import linear, pack_weights
 
     dev = pick_device(device)
@@ -321,45 +309,68 @@ def measure_matmul(dtype: Any = "float32", device: Any = None, n: int | None = N
     a = torch.randn(n, n, device=dev).to(dt)
     w = torch.nn.Linear(n, n, bias=False, device=dev, dtype=dt).requires_grad_(False)
     pack_weights(w)
-    secs = time_reps(lambda: linear(a, w.weight), dev, warmup, reps)
+    secs = timings(lambda: linear(a, w.weight), dev, warmup, reps)
     return [2.0 * n**3 / s for s in secs]
 
 
-def measure_bandwidth(device: Any = None, nbytes: int | None = None, reps: int = 7, warmup: int = 2) -> list[float]:
-    """Bytes/s of ``reps`` copies of an ``nbytes`` buffer into another (read + write = 2 x nbytes).
+def measure_bandwidth(
+    device: Any = None,
+    nbytes: int | None = None,
+    reps: int = 7,
+    warmup: int = 2,
+    kind: str = "read",
+) -> list[float]:
+    """Bytes/s of ``reps`` passes over an ``nbytes`` buffer: the memory roof.
 
-    The buffer must dwarf every cache (256 MB on a CPU, 2 GB on a GPU) or the figure is the cache's,
-    not memory's. Returns each rep's figure; take the median.
+    ``kind="read"`` (the default) reads the buffer once and writes nothing (the dot product of its
+    two halves, BLAS's fastest streaming read), which is what a decode step does to its weights,
+    so it is the ceiling a weight stream is compared with.
+    ``kind="copy"`` copies it into a second buffer and counts read + write (2 x ``nbytes``), the
+    figure GPU vendors' and STREAM's benchmarks quote. The buffer must dwarf every cache (256 MB on
+    a CPU, 2 GB on a GPU) or the figure is the cache's, not memory's. Returns each rep's figure;
+    take the median.
     """
     import torch
 
-    from llmlib.device import pick_device
+    from llmlib.device import pick_device, timings
 
+    if kind not in ("read", "copy"):
+        raise ValueError(f"kind must be 'read' or 'copy', got {kind!r}")
     dev = pick_device(device)
     nbytes = nbytes or ((2 << 30) if dev.type == "cuda" else (256 << 20))
     src = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    secs = time_reps(lambda: dst.copy_(src), dev, warmup, reps)
-    return [2.0 * src.numel() * 4 / s for s in secs]
+    if kind == "copy":
+        dst = torch.empty_like(src)
+        secs = timings(lambda: dst.copy_(src), dev, warmup, reps)
+        return [2.0 * src.numel() * 4 / s for s in secs]
+    half = src.numel() // 2
+    a, b = src[:half], src[half : 2 * half]
+    secs = timings(lambda: torch.dot(a, b), dev, warmup, reps)
+    return [2 * half * 4 / s for s in secs]
 
 
-def measure_machine(device: Any = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"), reps: int = 5,
-                    matmul_n: int | None = None, copy_bytes: int | None = None) -> Ceilings:
-    """Measure this machine's ceilings: median matmul FLOP/s per dtype and median copy bandwidth."""
+def measure_machine(
+    device: Any = None,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    reps: int = 5,
+    matmul_n: int | None = None,
+    bandwidth_bytes: int | None = None,
+) -> Ceilings:
+    """Measure this machine's ceilings: median matmul FLOP/s per dtype and median read bandwidth."""
     from llmlib.device import device_name, pick_device
 
     dev = pick_device(device)
     n = matmul_n or (8192 if dev.type == "cuda" else 1024)
-    nb = copy_bytes or ((2 << 30) if dev.type == "cuda" else (256 << 20))
+    nb = bandwidth_bytes or ((2 << 30) if dev.type == "cuda" else (256 << 20))
     samples: dict[str, list[float]] = {}
     flops: dict[str, float] = {}
     for d in dtypes:
-        key = _torch_dtype_name(d)
+        key = canonical(d)
         s = measure_matmul(key, dev, n=n, reps=reps)
         samples[f"matmul_{key}"] = s
         flops[key] = statistics.median(s)
     bw = measure_bandwidth(dev, nbytes=nb, reps=max(reps, 5))
-    samples["copy"] = bw
+    samples["read"] = bw
     return Ceilings(str(dev), device_name(dev), flops, statistics.median(bw), n, nb, samples)
 
 

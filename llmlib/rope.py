@@ -20,6 +20,7 @@ The cos/sin tables are computed once per model (:class:`RotaryTables`) for every
 ``max_seq_len``; a forward pass only gathers rows, so any positions ``[B, T]`` (a decode step at
 position 517, a batch whose rows sit at different offsets) cost one index operation.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
@@ -76,15 +79,22 @@ class RotaryTables(nn.Module):
     never read from a checkpoint.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+    ):
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
+        self.head_dim, self.max_seq_len, self.theta, self.scaling = (
+            head_dim,
+            max_seq_len,
+            theta,
+            scaling,
+        )
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "RotaryTables":
+    def from_config(cls, cfg: ModelConfig) -> RotaryTables:
         return cls(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +111,13 @@ class RotaryTables(nn.Module):
             cos, sin = self._tables()
         self.cos, self.sin = cos.to(device), sin.to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [B, T], shaped ``[B, 1, T, head_dim]`` to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +143,9 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
 
 
-def apply_rope_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout = "split_half") -> torch.Tensor:
+def apply_rope_layout(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout = "split_half"
+) -> torch.Tensor:
     """Dispatch on the layout name (``"split_half"`` or ``"interleaved"``)."""
     if layout == "split_half":
         return apply_rope(x, cos, sin)

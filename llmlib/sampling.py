@@ -9,11 +9,12 @@ Each row of a batch carries its own :class:`SamplingParams` and its own ``torch.
 batching engine of chapter 10 can serve requests with different settings in one forward pass, and a
 seed reproduces one request's continuation no matter what else shares the batch.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -59,7 +60,9 @@ class SamplingParams:
             return v
 
         if real("temperature", self.temperature) < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
         if self.top_k is not None and integer("top_k", self.top_k) < 1:
             raise ValueError(f"SamplingParams.top_k must be >= 1 or None, got {self.top_k}")
         if self.top_p is not None and not 0.0 < real("top_p", self.top_p) <= 1.0:
@@ -67,22 +70,30 @@ class SamplingParams:
         if self.min_p is not None and not 0.0 <= real("min_p", self.min_p) <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1] or None, got {self.min_p}")
         if real("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
         if self.seed is not None and integer("seed", self.seed) < 0:
-            raise ValueError(f"SamplingParams.seed must be a non-negative int or None, got {self.seed}")
+            raise ValueError(
+                f"SamplingParams.seed must be a non-negative int or None, got {self.seed}"
+            )
         if integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):  # a single stop string is a common slip; accept it
             self.stop = [self.stop]
         if self.stop is None:
             self.stop = []
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
             raise TypeError(f"SamplingParams.stop must be a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain the empty string")
         self.stop = list(self.stop)
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+            raise TypeError(
+                f"SamplingParams.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +110,10 @@ class SamplingParams:
 
 # ---- the pieces, each on a [B, V] batch of float logits ----------------------------------------
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
     """Penalize every token in ``seen`` [B, N] (ids; pad with any id already in the row) by ``penalty`` [B].
 
     The CTRL rule: a positive logit is divided by the penalty and a negative one multiplied, so the
@@ -111,14 +125,19 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits.scatter(1, seen, picked)
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, per row; removed tokens get -inf.
 
     All arguments after ``logits`` [B, V] are [B] tensors: temperature > 0; top_k in 1..V (V = off);
     top_p in (0, 1] (1 = off); min_p in [0, 1] (0 = off). One descending sort serves all three cuts.
     """
-    B, V = logits.shape
+    V = logits.shape[1]
     scaled = logits / temperature.to(logits.dtype).unsqueeze(1)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device).unsqueeze(0)  # [1, V]
@@ -143,9 +162,12 @@ def _param_tensors(params: Sequence[SamplingParams], vocab: int, device: torch.d
     return t, k, tp, mp
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None] | None = None,
-           seen: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    seen: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
     """Pick one token per row of ``logits`` [B, V], each row with its own params and generator.
 
     ``seen`` lists, per row, the token ids the repetition penalty applies to (prompt and output so
@@ -153,7 +175,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     device. Rows that are all greedy take the fast path: one argmax, no sort, no softmax.
     """
     if logits.dim() != 2:
-        raise ValueError(f"sample expects logits of shape [batch, vocab], got {tuple(logits.shape)}")
+        raise ValueError(
+            f"sample expects logits of shape [batch, vocab], got {tuple(logits.shape)}"
+        )
     B, V = logits.shape
     if len(params) != B:
         raise ValueError(f"sample got {len(params)} SamplingParams for a batch of {B} rows")
@@ -164,7 +188,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if penalized:
         if seen is None:
-            raise ValueError("a repetition_penalty needs the tokens seen so far (the `seen` argument)")
+            raise ValueError(
+                "a repetition_penalty needs the tokens seen so far (the `seen` argument)"
+            )
         for i in penalized:
             if len(seen[i]):
                 ids = torch.tensor([list(seen[i])], device=logits.device)
@@ -192,7 +218,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy params give a one-hot on the argmax.
     """
     if logits.dim() != 1:
-        raise ValueError(f"probabilities expects a 1-D row of logits, got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"probabilities expects a 1-D row of logits, got shape {tuple(logits.shape)}"
+        )
     row = logits.float().unsqueeze(0)
     if params.greedy:
         return torch.zeros_like(row[0]).scatter(0, row[0].argmax().view(1), 1.0)

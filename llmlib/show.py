@@ -3,6 +3,7 @@
 The chapters never paste code: they call :func:`show_source` on the package's own objects, so the
 rendered book cannot drift from what ``import llmlib`` runs.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,14 +40,16 @@ def setup_plots() -> None:
     """One figure style for every chapter: readable at the book's width, no chart junk."""
     import matplotlib
 
-    matplotlib.rcParams.update({
-        "figure.figsize": (7.5, 4.0),
-        "figure.dpi": 110,
-        "axes.spines.top": False,
-        "axes.spines.right": False,
-        "axes.grid": True,
-        "grid.alpha": 0.3,
-        "font.size": 10,
-        "axes.titlesize": 11,
-        "legend.frameon": False,
-    })
+    matplotlib.rcParams.update(
+        {
+            "figure.figsize": (7.5, 4.0),
+            "figure.dpi": 110,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "legend.frameon": False,
+        }
+    )

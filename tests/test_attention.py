@@ -1,5 +1,6 @@
 """Naive, SDPA and tiled attention agree (MHA and GQA of several ratios, causal and masked, square and
 decode-shaped), and the naive reference behaves like the textbook formula."""
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ def test_three_implementations_agree_causal(H: int, Hkv: int, T: int, S: int) ->
     ref = naive_attention(q, k, v)
     torch.testing.assert_close(sdpa_attention(q, k, v), ref, atol=TOL, rtol=0)
     # tiles smaller than the sequence, and not dividing it, so tile edges and skipped tiles are exercised
-    torch.testing.assert_close(tiled_attention(q, k, v, block_q=16, block_k=24), ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        tiled_attention(q, k, v, block_q=16, block_k=24), ref, atol=TOL, rtol=0
+    )
     torch.testing.assert_close(tiled_attention(q, k, v), ref, atol=TOL, rtol=0)
 
 
@@ -40,7 +43,9 @@ def test_three_implementations_agree_with_mask(H: int, Hkv: int) -> None:
     mask[..., 0] = True  # every query sees at least one key
     ref = naive_attention(q, k, v, mask)
     torch.testing.assert_close(sdpa_attention(q, k, v, mask), ref, atol=TOL, rtol=0)
-    torch.testing.assert_close(tiled_attention(q, k, v, mask, block_q=4, block_k=16), ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        tiled_attention(q, k, v, mask, block_q=4, block_k=16), ref, atol=TOL, rtol=0
+    )
 
 
 def test_naive_matches_the_formula() -> None:
@@ -57,7 +62,9 @@ def test_naive_matches_the_formula() -> None:
 def test_gqa_equals_repeated_heads() -> None:
     q, k, v = _qkv(1, 6, 2, 9, 9)
     expanded = naive_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
-    torch.testing.assert_close(tiled_attention(q, k, v, block_q=4, block_k=4), expanded, atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        tiled_attention(q, k, v, block_q=4, block_k=4), expanded, atol=TOL, rtol=0
+    )
     # query head 0..2 share KV head 0: changing KV head 1 must leave them untouched
     k2 = k.clone()
     k2[:, 1] += 1.0

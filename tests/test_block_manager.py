@@ -1,11 +1,12 @@
 """The block manager: free list, reference counts, block tables, and prefix sharing by chained hashes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
 
-from llmlib.block_manager import BlockManager, PrefixPending, block_hash
+from llmlib.engine.block_manager import BlockManager, PrefixPending, block_hash
 
 
 @dataclass

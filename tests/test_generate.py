@@ -1,4 +1,5 @@
 """The generate loop: token-for-token equal to transformers' greedy generate, stops, streaming, errors."""
+
 from __future__ import annotations
 
 import tempfile
@@ -9,10 +10,11 @@ from torch import nn
 
 import llmlib
 from llmlib.config import ModelConfig
-from llmlib.generate import Generator, render_chat
-
+from llmlib.generate import Generator
+from llmlib.prompts import render_chat
 
 # ---- doubles: a byte tokenizer and a model that follows a script -----------------------------
+
 
 class ByteTokenizer:
     """Token i < 256 is the byte i; 256 is the end-of-sequence token. Enough for the generator."""
@@ -20,7 +22,10 @@ class ByteTokenizer:
     eos_id = 256
     bos_id = None
     vocab_size = 257
-    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
 
     def encode(self, text, allowed_special=()):
         return list(text.encode("utf-8"))
@@ -37,8 +42,17 @@ class ScriptedModel(nn.Module):
 
     def __init__(self, script: list[int], max_seq_len: int = 256):
         super().__init__()
-        self.config = ModelConfig(name="scripted", vocab_size=257, d_model=4, n_layers=1, n_heads=1, n_kv_heads=1,
-                                  ffn_dim=4, max_seq_len=max_seq_len, eos_token_ids=(256,))
+        self.config = ModelConfig(
+            name="scripted",
+            vocab_size=257,
+            d_model=4,
+            n_layers=1,
+            n_heads=1,
+            n_kv_heads=1,
+            ffn_dim=4,
+            max_seq_len=max_seq_len,
+            eos_token_ids=(256,),
+        )
         self.script, self.i = script, 0
         self.dummy = nn.Parameter(torch.zeros(1))
 
@@ -88,16 +102,24 @@ def test_partial_character_at_the_end_is_replaced():
     assert out.text == "a\ufffd" and "".join(gen.stream(prompt, max_new_tokens=3)) == out.text
 
 
-@pytest.mark.parametrize("stop, expected", [("STOP", "abc "), (["xyz", "P d"], "abc STO"), ("\n\n", "one\ntwo")])
+@pytest.mark.parametrize(
+    "stop, expected", [("STOP", "abc "), (["xyz", "P d"], "abc STO"), ("\n\n", "one\ntwo")]
+)
 def test_stop_strings(stop, expected):
-    text = {"STOP": "abc STOP def", "\n\n": "one\ntwo\n\nthree"}.get(stop if isinstance(stop, str) else "STOP")
+    text = {"STOP": "abc STOP def", "\n\n": "one\ntwo\n\nthree"}.get(
+        stop if isinstance(stop, str) else "STOP"
+    )
     gen, prompt = scripted(text)
     out = gen.generate(prompt, max_new_tokens=50, stop=stop)
     assert out.text == expected and out.finish_reason == "stop"
     pieces = list(gen.stream(prompt, max_new_tokens=50, stop=stop))
     assert "".join(pieces) == expected
-    if stop == "\n\n":  # the first newline is held back until we know it does not start the stop string
-        assert "".join(pieces[:-1]) + pieces[-1] == expected and not any(p.endswith("\n") for p in pieces)
+    if (
+        stop == "\n\n"
+    ):  # the first newline is held back until we know it does not start the stop string
+        assert "".join(pieces[:-1]) + pieces[-1] == expected and not any(
+            p.endswith("\n") for p in pieces
+        )
 
 
 def test_ignore_eos_and_eos_from_config():
@@ -114,18 +136,21 @@ def test_context_limits():
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=2.5), "max_new_tokens"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.01), "top_p"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(seed=-5), "seed"),
-    (dict(stop=[""]), "stop"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(seed=-5), "seed"),
+        (dict(stop=[""]), "stop"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
 def test_invalid_arguments(kwargs, match):
     gen, prompt = scripted("abc")
     with pytest.raises(ValueError, match=match):
@@ -168,14 +193,17 @@ def test_render_chat_matches_hugging_face():
     )
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Hi! "}]
     for agp in (True, False):
-        ref = tr.render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=agp,
-                                       bos_token="<s>")[0][0]
+        ref = tr.render_jinja_template(
+            conversations=[msgs], chat_template=template, add_generation_prompt=agp, bos_token="<s>"
+        )[0][0]
         assert render_chat(template, msgs, add_generation_prompt=agp, bos_token="<s>") == ref
     import jinja2
 
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role"):
         render_chat(template, [{"role": "robot", "content": "x"}])
-    with pytest.raises(jinja2.exceptions.SecurityError):  # the sandbox: templates cannot reach Python internals
+    with pytest.raises(
+        jinja2.exceptions.SecurityError
+    ):  # the sandbox: templates cannot reach Python internals
         render_chat("{{ messages.__class__.__mro__ }}", msgs)
     with pytest.raises(ValueError, match="role"):
         render_chat(template, [{"content": "no role"}])
@@ -184,7 +212,7 @@ def test_render_chat_matches_hugging_face():
 def test_chat_repl_keeps_the_conversation():
     import io
 
-    from llmlib.chat import repl
+    from llmlib.cli.chat import repl
 
     gen, _ = scripted("fine", eos=True)
     lines = iter(["hello", "", "/reset", "how are you?", "and you?"])
@@ -200,27 +228,38 @@ def test_chat_repl_keeps_the_conversation():
     assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
     assert history[1]["content"] == "how are you?" and history[2]["content"] == "fine"
     # the second turn's prompt held the whole conversation, rendered by the template
-    assert gen.last_result.prompt == "<system>Be nice.\n<user>how are you?\n<assistant>fine\n<user>and you?\n<assistant>"
+    assert (
+        gen.last_result.prompt
+        == "<system>Be nice.\n<user>how are you?\n<assistant>fine\n<user>and you?\n<assistant>"
+    )
     assert out.getvalue().count("fine\n") == 3 and "cleared" in out.getvalue()
 
 
 def test_chat_drops_old_turns_when_the_context_is_full():
-    from llmlib.chat import chat_turn
     import io
+
+    from llmlib.cli.chat import chat_turn
 
     gen, _ = scripted("ok", eos=True, max_seq_len=64)
     history = []
     for _ in range(6):
         chat_turn(gen, history, "x" * 12, out=io.StringIO(), max_new_tokens=4)
-    assert len(gen.last_result.prompt_ids) < 64 and len(history) < 12 and history[-1]["content"] == "ok"
+    assert (
+        len(gen.last_result.prompt_ids) < 64
+        and len(history) < 12
+        and history[-1]["content"] == "ok"
+    )
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-stream"], ["--no-chat"], ["--chat", "--temperature", "0.7", "--top-p", "0.9"]])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--no-stream"], ["--no-chat"], ["--chat", "--temperature", "0.7", "--top-p", "0.9"]],
+)
 def test_cli(monkeypatch, capsys, extra):
-    import llmlib.generate as G
+    import llmlib.cli.generate as G
 
     gen, _ = scripted("Hi 😀", eos=True)
-    monkeypatch.setattr(G, "load", lambda *a, **k: gen)
+    monkeypatch.setattr(G, "load_generator", lambda *a, **k: gen)
     assert G.main(["hello", "--max-new-tokens", "20", *extra]) == 0
     out = capsys.readouterr()
     assert out.out == "Hi 😀\n" and "finish=stop" in out.err
@@ -228,37 +267,60 @@ def test_cli(monkeypatch, capsys, extra):
     assert gen.last_result.prompt == ("<user>hello\n<assistant>" if chat else "hello")
 
 
-@pytest.mark.parametrize("bad", [["--temperature", "-1"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--top-k", "0"]])
+@pytest.mark.parametrize(
+    "bad", [["--temperature", "-1"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--top-k", "0"]]
+)
 def test_cli_rejects_bad_parameters(monkeypatch, capsys, bad):
-    import llmlib.generate as G
+    import llmlib.cli.generate as G
 
-    monkeypatch.setattr(G, "load", lambda *a, **k: pytest.fail("must fail before loading the model"))
+    monkeypatch.setattr(
+        G, "load_generator", lambda *a, **k: pytest.fail("must fail before loading the model")
+    )
     assert G.main(["hello", *bad]) == 2
     assert "error" in capsys.readouterr().err
 
 
 # ---- against transformers on random-weight Llama models ---------------------------------------
 
+
 def _hf_llama(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
-               num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, tie_word_embeddings=False,
-               bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    cfg = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    with torch.no_grad():  # larger weights than the default init, so the greedy path is not a trivial loop
+    with (
+        torch.no_grad()
+    ):  # larger weights than the default init, so the greedy path is not a trivial loop
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return model
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # grouped-query attention, untied head
-    dict(num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500_000.0),  # multi-head, tied
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # grouped-query attention, untied head
+        dict(
+            num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500_000.0
+        ),  # multi-head, tied
+    ],
+)
 def test_greedy_matches_transformers_on_random_llama(overrides):
     pytest.importorskip("transformers")
     hf = _hf_llama(**overrides)
@@ -271,7 +333,9 @@ def test_greedy_matches_transformers_on_random_llama(overrides):
     for n in (1, 23):
         prompt = torch.randint(0, 320, (n,), generator=g).tolist()
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, n:].tolist()
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[
+                0, n:
+            ].tolist()
         out = gen.generate(prompt, max_new_tokens=64, ignore_eos=True)
         assert out.token_ids == ref
         distinct |= set(ref)
@@ -293,12 +357,15 @@ def test_seed_reproduces_sampling_on_random_llama():
 
 # ---- the real model ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smollm2():
-    from llmlib.fetch import resolve_model_path
+    from llmlib.checkpoints.fetch import resolve_model_path
 
     path = resolve_model_path(None)
-    return path, Generator(llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path))
+    return path, Generator(
+        llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path)
+    )
 
 
 @pytest.mark.model
@@ -306,12 +373,14 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     from transformers import AutoModelForCausalLM
 
     path, gen = smollm2
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     for chat in (False, True):
         out = gen.generate("What is a quadratic equation?", max_new_tokens=64, chat=chat)
         with torch.no_grad():
             ref = hf.generate(torch.tensor([out.prompt_ids]), max_new_tokens=64, do_sample=False)
-        assert out.token_ids == ref[0, len(out.prompt_ids):].tolist()
+        assert out.token_ids == ref[0, len(out.prompt_ids) :].tolist()
     assert "quadratic" in out.text.lower()
 
 
@@ -319,9 +388,14 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 def test_smollm2_chat_template_matches_hugging_face(smollm2):
     tr = pytest.importorskip("transformers.utils.chat_template_utils")
     _, gen = smollm2
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
-    ref = tr.render_jinja_template(conversations=[msgs], chat_template=gen.tokenizer.chat_template,
-                                   add_generation_prompt=True)[0][0]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    ref = tr.render_jinja_template(
+        conversations=[msgs], chat_template=gen.tokenizer.chat_template, add_generation_prompt=True
+    )[0][0]
     assert gen.chat_prompt(msgs) == ref
     assert ref.endswith("<|im_start|>assistant\n")
 
@@ -335,14 +409,27 @@ def test_smollm2_stream_equals_generate(smollm2):
 
 
 def test_decode_layout_keeps_values_and_outputs():
-    from llmlib.loading import _in_matvec_layout, use_matvec_layout
+    from llmlib.linear import _in_matvec_layout, use_matvec_layout
     from llmlib.model import random_model
 
-    cfg = ModelConfig(name="t", vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=300,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        max_seq_len=64,
+    )
     model = random_model(cfg, device="cpu", dtype=torch.float32, seed=0, std=0.3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ref = Generator(model, ByteTokenizer(), decode_layout=False).generate([1, 2, 3], max_new_tokens=16, ignore_eos=True)
-    assert all(p.is_contiguous() for p in model.parameters())  # decode_layout=False leaves the model alone
+    ref = Generator(model, ByteTokenizer(), decode_layout=False).generate(
+        [1, 2, 3], max_new_tokens=16, ignore_eos=True
+    )
+    assert all(
+        p.is_contiguous() for p in model.parameters()
+    )  # decode_layout=False leaves the model alone
     assert use_matvec_layout(model) > 0 and use_matvec_layout(model) == 0  # idempotent
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # same names, shapes and values

@@ -1,4 +1,5 @@
 """llmlib's own GGUF container reader agrees with the `gguf` package's GGUFReader, and fails clearly."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmlib.gguf_file import GGUFFormatError, read_gguf_file
+from llmlib.checkpoints.gguf_file import GGUFFormatError, read_gguf_file
 
 
 @pytest.mark.model
@@ -25,7 +26,11 @@ def test_smollm2_header_matches_ggufreader(smollm2_path: Path) -> None:
     assert len(ref.tensors) == len(ours.tensors)
     for t in ref.tensors:
         mine = ours.tensors[t.name]
-        assert mine.offset == t.data_offset and mine.nbytes == t.n_bytes and mine.ggml_type == int(t.tensor_type)
+        assert (
+            mine.offset == t.data_offset
+            and mine.nbytes == t.n_bytes
+            and mine.ggml_type == int(t.tensor_type)
+        )
         assert mine.shape == tuple(int(d) for d in reversed(t.shape))
     for name in ("token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"):
         ref_t = next(t for t in ref.tensors if t.name == name)
@@ -51,7 +56,11 @@ def test_small_file_round_trip(tmp_path: Path) -> None:
     _write_small(p)
     g = read_gguf_file(p)
     assert g.architecture == "llama"
-    assert g.metadata["test.answer"] == 42 and g.metadata["test.list"] == [1, 2, 3] and g.metadata["test.words"] == ["a", "bé", "c"]
+    assert (
+        g.metadata["test.answer"] == 42
+        and g.metadata["test.list"] == [1, 2, 3]
+        and g.metadata["test.words"] == ["a", "bé", "c"]
+    )
     assert g.tensors["x"].shape == (2, 32)
     assert np.array_equal(g.raw("x").view(np.float32), np.arange(64, dtype=np.float32))
 

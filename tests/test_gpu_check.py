@@ -1,4 +1,5 @@
 """The GPU check rehearsed on the CPU (``--dry-run``), so the script that a GPU machine runs cannot rot."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,19 @@ SECTIONS = ["tests", "copy_bandwidth", "smollm2_batch1", "llama8b_batch1", "engi
 
 def test_gpu_check_dry_run(tmp_path):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (tmp_path / "gpu_check.json").exists()  # a rehearsal never poses as a real result
@@ -27,14 +39,24 @@ def test_gpu_check_dry_run(tmp_path):
     # the fields the chapter reads exist, with sane values
     assert s["copy_bandwidth"]["copy_bandwidth_GBps"] > 0
     sm = s["smollm2_batch1"]
-    assert sm["llmlib_graphs"]["tok_s"] > 0 and sm["transformers"]["tok_s"] > 0 and sm["graphs_match_eager"]
-    assert sm["transformers_tokens_agree"] == sm["new_tokens"]  # same weights, fp32: the same greedy tokens
+    assert (
+        sm["llmlib_graphs"]["tok_s"] > 0
+        and sm["transformers"]["tok_s"] > 0
+        and sm["graphs_match_eager"]
+    )
+    assert (
+        sm["transformers_tokens_agree"] == sm["new_tokens"]
+    )  # same weights, fp32: the same greedy tokens
     ll = s["llama8b_batch1"]
     assert ll["tok_s"] > 0 and 0 < ll["mbu_vs_copy"] and ll["bytes_per_decode_step"] > 0
     en = s["engine_throughput"]
     assert en["finished_all"] and en["completed_requests"] == en["requests"] == 8
     assert en["output_tokens"] == en["total_output_tokens_planned"] and en["output_tok_s"] > 0
     # the engine's CUDA-graph path ran (eagerly, on the CPU): decode steps went through fixed-shape steps
-    assert en["cuda_graphs"] is False and en["graphs_captured"] > 0 and en["fixed_shape_decode_steps"] > 0
+    assert (
+        en["cuda_graphs"] is False
+        and en["graphs_captured"] > 0
+        and en["fixed_shape_decode_steps"] > 0
+    )
     print(f"gpu_check --dry-run: {wall:.1f} s wall")
     assert wall < 240  # well under a minute on an idle 2-core machine; generous for a busy one

@@ -1,4 +1,5 @@
 """The static KV cache: its size is the formula, and decoding with it equals full recomputation."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,17 @@ from llmlib.config import ModelConfig
 from llmlib.kv_cache import KVCache, kv_cache_bytes
 from llmlib.model import random_model
 
-CFG = ModelConfig(name="tiny", vocab_size=97, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=96,
-                  max_seq_len=64, rope_theta=10_000.0)
+CFG = ModelConfig(
+    name="tiny",
+    vocab_size=97,
+    d_model=48,
+    n_layers=3,
+    n_heads=6,
+    n_kv_heads=2,
+    ffn_dim=96,
+    max_seq_len=64,
+    rope_theta=10_000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +56,11 @@ def test_update_writes_and_returns_views():
     assert cache.length == 3  # advanced once the last layer wrote
     k1, v1 = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
     k_all, v_all, mask = cache.update(0, k1, v1, torch.tensor([[3]]))
-    assert k_all.shape == (1, 2, 4, 4) and torch.equal(k_all[:, :, 3:], k1) and torch.equal(k_all[:, :, :3], k)
+    assert (
+        k_all.shape == (1, 2, 4, 4)
+        and torch.equal(k_all[:, :, 3:], k1)
+        and torch.equal(k_all[:, :, :3], k)
+    )
     assert mask.shape == (1, 1, 1, 4) and bool(mask.all())
     assert cache.length == 3  # layer 1 has not written yet
     cache.update(1, k1, v1, torch.tensor([[3]]))

@@ -1,4 +1,5 @@
 """llmlib.linear: the oneDNN-packed copy gives F.linear's numbers, and is never used once stale."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,9 @@ import torch.nn.functional as F
 
 from llmlib.linear import is_packed, linear, pack_weights
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN"
+)
 
 
 def _layer(out_f: int = 96, in_f: int = 64) -> torch.nn.Linear:
@@ -42,7 +45,9 @@ def test_a_changed_weight_is_never_multiplied_by_its_stale_copy():
     lin.weight.data = torch.randn(96, 64)  # replaced: the pointer moves
     assert not is_packed(lin.weight)
     torch.testing.assert_close(linear(x, lin.weight), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
-    assert pack_weights(lin) == 1 and pack_weights(lin) == 0  # re-packs the stale one, then nothing to do
+    assert (
+        pack_weights(lin) == 1 and pack_weights(lin) == 0
+    )  # re-packs the stale one, then nothing to do
 
 
 def test_other_dtypes_are_left_alone():
@@ -51,11 +56,20 @@ def test_other_dtypes_are_left_alone():
 
 
 def test_built_cpu_model_is_packed_and_gives_the_same_logits():
+    from llmlib.checkpoints.build import build_model
     from llmlib.config import ModelConfig
-    from llmlib.loading import build_model
     from llmlib.model import random_model
 
-    cfg = ModelConfig(name="tiny", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
+    cfg = ModelConfig(
+        name="tiny",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        max_seq_len=64,
+    )
     state = random_model(cfg).state_dict()
     model = build_model(cfg, dict(state), "cpu", torch.float32)
     mats = [p for p in model.parameters() if p.dim() == 2]

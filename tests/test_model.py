@@ -1,5 +1,6 @@
 """llmlib's Transformer against Hugging Face transformers on random weights, the KV-cache hook, and
 the loader's strictness. All models are tiny so the whole file runs in seconds."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmlib.checkpoints.build import load_model
 from llmlib.config import ModelConfig
-from llmlib.loading import load_model
-from llmlib.model import Transformer, expected_shapes
+from llmlib.model import Transformer
+from llmlib.shapes import param_shapes as expected_shapes
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,9 +29,18 @@ def _perturb_norms(model: torch.nn.Module) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
 
 
-def _save_llama(folder: Path, **kw) -> "transformers.LlamaForCausalLM":
-    base = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
-                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5)
+def _save_llama(folder: Path, **kw) -> transformers.LlamaForCausalLM:
+    base = dict(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        rms_norm_eps=1e-5,
+    )
     shard = kw.pop("_shard", "10GB")
     base.update(kw)
     torch.manual_seed(0)
@@ -54,14 +65,33 @@ def _compare(hf: torch.nn.Module, folder: Path, T: int = 40, B: int = 2) -> floa
 
 LLAMA_SHAPES = {
     # GQA ratio 1 (plain multi-head), tied embeddings
-    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=32, tie_word_embeddings=True),
+    "mha-tied": dict(
+        num_attention_heads=4, num_key_value_heads=4, hidden_size=32, tie_word_embeddings=True
+    ),
     # ratio 3, untied, Llama-3 frequency scaling exercised past original_max_position_embeddings
-    "gqa3-llama3": dict(num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "gqa3-llama3": dict(
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     # ratio 8, one KV head, large theta, head_dim not equal to d_model / n_heads
-    "gqa8-headdim": dict(num_attention_heads=8, num_key_value_heads=1, hidden_size=40, head_dim=12,
-                         rope_theta=500_000.0, rms_norm_eps=1e-4, tie_word_embeddings=False),
+    "gqa8-headdim": dict(
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        hidden_size=40,
+        head_dim=12,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-4,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -87,9 +117,18 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 def test_mixtral_logits_match_transformers(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=6, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.1)
+    cfg = transformers.MixtralConfig(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
     hf = transformers.MixtralForCausalLM(cfg).eval()
     _perturb_norms(hf)
     hf.save_pretrained(tmp_path)
@@ -98,8 +137,18 @@ def test_mixtral_logits_match_transformers(tmp_path: Path) -> None:
 
 
 def test_state_dict_uses_contract_names_and_round_trips() -> None:
-    cfg = ModelConfig(name="t", vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                      n_experts=3, n_experts_per_token=2, max_seq_len=64)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=50,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        n_experts=3,
+        n_experts_per_token=2,
+        max_seq_len=64,
+    )
     torch.manual_seed(0)
     a = Transformer(cfg).eval()
     sd = a.state_dict()
@@ -132,8 +181,16 @@ class ListCache:
 
 @pytest.mark.parametrize("backend", ["sdpa", "naive", "tiled"])
 def test_cache_hook_prefill_then_decode_equals_no_cache(backend: str) -> None:
-    cfg = ModelConfig(name="t", vocab_size=64, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=64,
-                      max_seq_len=64)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=64,
+        d_model=48,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_dim=64,
+        max_seq_len=64,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg).eval().set_attention_backend(backend)
     ids = torch.randint(0, 64, (2, 14))
@@ -155,7 +212,16 @@ def test_cache_mask_none_means_causal() -> None:
         def update(self, layer, k, v, positions):
             return k, v, None
 
-    cfg = ModelConfig(name="t", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=48, max_seq_len=32)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=48,
+        max_seq_len=32,
+    )
     model = Transformer(cfg).eval()
     ids = torch.randint(0, 64, (1, 7))
     with torch.no_grad():
@@ -163,7 +229,16 @@ def test_cache_mask_none_means_causal() -> None:
 
 
 def test_bfloat16_forward_runs() -> None:
-    cfg = ModelConfig(name="t", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        max_seq_len=32,
+    )
     model = Transformer(cfg).eval()
     ref = model(torch.arange(10)[None]).detach()
     model = model.to(torch.bfloat16)
@@ -174,6 +249,7 @@ def test_bfloat16_forward_runs() -> None:
 
 
 # ---- bad input ---------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def llama_folder(tmp_path: Path) -> Path:
@@ -196,13 +272,21 @@ def test_missing_tensor_is_named(llama_folder: Path) -> None:
 
 
 def test_extra_tensor_is_named(llama_folder: Path) -> None:
-    _rewrite(llama_folder, lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.zeros(48)))
-    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+    _rewrite(
+        llama_folder,
+        lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.zeros(48)),
+    )
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"
+    ):
         load_model(llama_folder, device="cpu")
 
 
 def test_extra_layer_is_named(llama_folder: Path) -> None:
-    _rewrite(llama_folder, lambda sd: sd.__setitem__("model.layers.2.input_layernorm.weight", torch.ones(48)))
+    _rewrite(
+        llama_folder,
+        lambda sd: sd.__setitem__("model.layers.2.input_layernorm.weight", torch.ones(48)),
+    )
     with pytest.raises(ValueError, match=r"unexpected tensor 'layers\.2\.attn_norm\.weight'"):
         load_model(llama_folder, device="cpu")
 
@@ -212,7 +296,9 @@ def test_shape_mismatch_is_named(llama_folder: Path) -> None:
     d = json.loads(cfg_path.read_text())
     d["intermediate_size"] = 80
     cfg_path.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=r"tensor 'layers\.0\.ffn\.w_gate\.weight' has shape \(72, 48\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'layers\.0\.ffn\.w_gate\.weight' has shape \(72, 48\)"
+    ):
         load_model(llama_folder, device="cpu")
 
 
@@ -275,9 +361,18 @@ def test_bad_dtype_and_path(llama_folder: Path) -> None:
 
 
 def test_state_dict_shape_error_on_direct_build() -> None:
-    from llmlib.loading import build_model
+    from llmlib.checkpoints.build import build_model
 
-    cfg = ModelConfig(name="t", vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=50,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        max_seq_len=16,
+    )
     sd = Transformer(cfg).state_dict()
     sd["layers.0.attn.wv.weight"] = torch.zeros(8, 32)
     with pytest.raises(ValueError, match=r"'layers\.0\.attn\.wv\.weight' has shape \(8, 32\)"):

@@ -1,4 +1,5 @@
 """Attention over the paged cache equals attention over a contiguous cache (within 1e-5)."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlib.paged_cache import PagedKVCache, SeqChunk
+from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
 H, HKV, D, BS = 4, 2, 8, 4
 
@@ -40,7 +41,7 @@ def test_paged_equals_contiguous_for_packed_prefill_then_batched_decode():
     tables, p = [], 0
     for n in lengths:
         nb = -(-(n + decode_steps) // BS)
-        tables.append(perm[p:p + nb])
+        tables.append(perm[p : p + nb])
         p += nb
     L = [n + decode_steps for n in lengths]
     K = [[torch.randn(1, HKV, n, D) for n in L] for _ in range(n_layers)]
@@ -59,24 +60,28 @@ def test_paged_equals_contiguous_for_packed_prefill_then_batched_decode():
         t0 = 0
         for i, n in enumerate(lengths):
             ref = contiguous(Q[i][:, :, :n], K[layer][i][:, :, :n], V[layer][i][:, :, :n])
-            torch.testing.assert_close(out[:, :, t0:t0 + n], ref, atol=1e-5, rtol=0)
-            torch.testing.assert_close(sdpa[:, :, t0:t0 + n], ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[:, :, t0 : t0 + n], ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(sdpa[:, :, t0 : t0 + n], ref, atol=1e-5, rtol=0)
             t0 += n
 
     # Decode: one sequence per row, one new token each, different history lengths.
     for s in range(decode_steps):
         step = cache.step([[SeqChunk(tables[i], n + s, 1)] for i, n in enumerate(lengths)])
         for layer in range(n_layers):
-            k_new = torch.cat([K[layer][i][:, :, n + s:n + s + 1] for i, n in enumerate(lengths)])
-            v_new = torch.cat([V[layer][i][:, :, n + s:n + s + 1] for i, n in enumerate(lengths)])
-            q_new = torch.cat([Q[i][:, :, n + s:n + s + 1] for i, n in enumerate(lengths)])
+            k_new = torch.cat([K[layer][i][:, :, n + s : n + s + 1] for i, n in enumerate(lengths)])
+            v_new = torch.cat([V[layer][i][:, :, n + s : n + s + 1] for i, n in enumerate(lengths)])
+            q_new = torch.cat([Q[i][:, :, n + s : n + s + 1] for i, n in enumerate(lengths)])
             k_all, v_all, mask = step.update(layer, k_new, v_new, step.positions)
             assert mask.shape == (len(lengths), 1, 1, k_all.shape[2])
-            out = F.scaled_dot_product_attention(q_new, k_all, v_all, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q_new, k_all, v_all, attn_mask=mask, enable_gqa=True
+            )
             for i, n in enumerate(lengths):
                 m = n + s + 1
-                ref = contiguous(Q[i][:, :, m - 1:m], K[layer][i][:, :, :m], V[layer][i][:, :, :m])
-                torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=0)
+                ref = contiguous(
+                    Q[i][:, :, m - 1 : m], K[layer][i][:, :, :m], V[layer][i][:, :, :m]
+                )
+                torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=0)
 
     # The pool holds exactly each sequence's keys, in block-table order.
     for i, n in enumerate(L):
@@ -93,9 +98,15 @@ def test_chunked_prefill_over_cached_prefix():
     k, v, q = torch.randn(1, HKV, n, D), torch.randn(1, HKV, n, D), torch.randn(1, H, n, D)
     for start, length in [(0, 8), (8, 5), (13, 1)]:
         step = cache.step([[SeqChunk(table, start, length)]])
-        k_all, v_all, mask = step.update(0, k[:, :, start:start + length], v[:, :, start:start + length], step.positions)
-        out = F.scaled_dot_product_attention(q[:, :, start:start + length], k_all, v_all, attn_mask=mask, enable_gqa=True)
-        ref = contiguous(q[:, :, start:start + length], k[:, :, :start + length], v[:, :, :start + length])
+        k_all, v_all, mask = step.update(
+            0, k[:, :, start : start + length], v[:, :, start : start + length], step.positions
+        )
+        out = F.scaled_dot_product_attention(
+            q[:, :, start : start + length], k_all, v_all, attn_mask=mask, enable_gqa=True
+        )
+        ref = contiguous(
+            q[:, :, start : start + length], k[:, :, : start + length], v[:, :, : start + length]
+        )
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
         assert step.positions.tolist() == [list(range(start, start + length))]
 
@@ -126,7 +137,7 @@ def test_attend_mixed_row_equals_contiguous(backend):
     perm = torch.randperm(40).tolist()
     tables, p = [], 0
     for n, _ in seqs:
-        tables.append(perm[p:p + -(-n // BS)])
+        tables.append(perm[p : p + -(-n // BS)])
         p += -(-n // BS)
     K = [torch.randn(1, HKV, n, D) for n, _ in seqs]
     V = [torch.randn(1, HKV, n, D) for n, _ in seqs]
@@ -144,7 +155,7 @@ def test_attend_mixed_row_equals_contiguous(backend):
     t0 = 0
     for i, (n, done) in enumerate(seqs):
         ref = contiguous(Q[i][:, :, done:], K[i], V[i])
-        torch.testing.assert_close(out[:, :, t0:t0 + n - done], ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[:, :, t0 : t0 + n - done], ref, atol=1e-5, rtol=0)
         t0 += n - done
     # and the contract path of the same step agrees with it
     k_all, v_all, mask = step.update(0, k, v)
@@ -163,11 +174,12 @@ def test_errors():
 def test_decode_rows_grouped_by_length():
     """Single-token chunks are split into groups of similar length: each chunk in exactly one
     group, short ones never padded to the longest when a separate call is cheaper."""
-    from llmlib.paged_cache import _group_by_length
+    from llmlib.engine.paged_cache import DecodeToken, _group_by_length
 
-    chunks = [(0, i, 0, [0] * n) for i, n in enumerate([40, 1, 2, 41, 1, 39, 2])]
+    chunks = [DecodeToken(0, i, 0, [0] * n) for i, n in enumerate([40, 1, 2, 41, 1, 39, 2])]
     groups = _group_by_length(chunks, BS)
-    assert sorted(c[1] for g in groups for c in g) == list(range(7))
-    assert [sorted(len(c[3]) for c in g) for g in groups] == [[1, 1, 2, 2], [39, 40, 41]]
-    assert _group_by_length([(0, 0, 0, [0] * 5)] * 3, BS) == [[(0, 0, 0, [0] * 5)] * 3]  # equal lengths: one call
+    assert sorted(c.col for g in groups for c in g) == list(range(7))
+    assert [sorted(len(c.blocks) for c in g) for g in groups] == [[1, 1, 2, 2], [39, 40, 41]]
+    same = [DecodeToken(0, 0, 0, [0] * 5)] * 3
+    assert _group_by_length(same, BS) == [same]  # equal lengths: one call
     assert _group_by_length([], BS) == []

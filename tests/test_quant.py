@@ -1,4 +1,5 @@
 """llmlib.quant against the reference dequantizer in the `gguf` package, bit for bit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from llmlib.quant import FORMATS, block_format, dequantize
+from llmlib.checkpoints.quant import FORMATS, block_format, dequantize
 
 SUPPORTED = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
 
@@ -51,7 +52,9 @@ def test_dequantize_arbitrary_random_blocks(qtype: T) -> None:
     rng = np.random.default_rng(qtype.value)
     rows, cols = 7, 4 * 32
     raw = rng.integers(0, 256, size=(rows, cols // f.block_size * f.block_bytes), dtype=np.uint8)
-    ref = quants.dequantize(raw, qtype) if qtype != T.F16 else raw.view(np.float16).astype(np.float32)
+    ref = (
+        quants.dequantize(raw, qtype) if qtype != T.F16 else raw.view(np.float16).astype(np.float32)
+    )
     ours = dequantize(raw, qtype.value, (rows, cols)).numpy()
     assert ours.shape == ref.shape
     # NaNs compare unequal; compare the bit patterns, which also pins down NaN payloads.

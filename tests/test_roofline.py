@@ -1,4 +1,5 @@
 """The roofline model against hand counts on a tiny shape, and its verdict on both sides of the ridge."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,9 @@ from llmlib.costs import GPUS
 from llmlib.roofline import Roof, crossover_batch, decode, measure_machine, phase, predict, prefill
 
 # vocab 100, d_model 8, 2 layers, 4 query heads and 2 KV heads of head_dim 2, FFN 16, untied
-TINY = ModelConfig(name="tiny", vocab_size=100, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=16)
+TINY = ModelConfig(
+    name="tiny", vocab_size=100, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=16
+)
 
 # By hand, per layer: q 8x8=64, k 8x4=32, v 32, o 64 -> 192 attention; gate/up/down 3 x 16x8 = 384; norms 16.
 # Matmul weights one token passes through: 2 x (192 + 384) + LM head 100x8 = 1952.
@@ -59,7 +62,9 @@ def test_weight_only_quantization_shrinks_only_weight_bytes() -> None:
     assert q4.weight_bytes == pytest.approx(matrices * 20 / 32 + norms * 4)
     # the Llama-3-70B decode floor on an H100: halved by 8-bit, about a third by 4-bit
     h100 = Roof.from_gpu("h100-sxm")
-    t16, t8, t4 = (predict(decode("llama-3-70b", context=7, weight_bits=b), h100).time for b in (None, 8, 4))
+    t16, t8, t4 = (
+        predict(decode("llama-3-70b", context=7, weight_bits=b), h100).time for b in (None, 8, 4)
+    )
     assert t8 / t16 == pytest.approx(34 / 64, rel=0.02)
     assert t4 / t16 == pytest.approx(20 / 64, rel=0.02)
 
@@ -97,7 +102,9 @@ def test_llama70b_floor_matches_costs() -> None:
 
     p = predict(decode("llama-3-70b", context=7), Roof.from_gpu("h100-sxm"))
     assert p.bound == "memory"
-    assert p.time * 1e3 == pytest.approx(costs("llama-3-70b", "h100-sxm").decode_ms_per_token, rel=1e-3)
+    assert p.time * 1e3 == pytest.approx(
+        costs("llama-3-70b", "h100-sxm").decode_ms_per_token, rel=1e-3
+    )
 
 
 def test_mfu_mbu() -> None:
@@ -129,7 +136,7 @@ def test_bad_input() -> None:
 
 
 def test_measure_machine_small() -> None:
-    c = measure_machine("cpu", dtypes=("float32",), reps=2, matmul_n=256, copy_bytes=16 << 20)
+    c = measure_machine("cpu", dtypes=("float32",), reps=2, matmul_n=256, bandwidth_bytes=16 << 20)
     assert c.matmul_flops["float32"] > 1e8
     assert c.bandwidth > 1e8
     r = c.roof("f32")
@@ -148,6 +155,7 @@ def test_last_only_prefill_skips_the_lm_head_rows() -> None:
 
 # --- the benchmark's pieces, on a tiny random model (fast; no model file) --------------------
 
+
 def test_bench_pieces_on_a_tiny_model() -> None:
     import torch
 
@@ -161,11 +169,19 @@ def test_bench_pieces_on_a_tiny_model() -> None:
     sec, nbytes = bench.time_weight_stream(model, reps=3)
     assert sec > 0
     p = param_counts(cfg)
-    assert nbytes == pass_weight_bytes(cfg, "f32") - 4 * (cfg.n_layers * p.norms_per_layer + p.final_norm)
+    assert nbytes == pass_weight_bytes(cfg, "f32") - 4 * (
+        cfg.n_layers * p.norms_per_layer + p.final_norm
+    )
     assert sum(t.numel() for t in model.parameters()) == p.total
     roof = Roof("toy", 1e10, 1e9)
-    pts = bench.measure_points(model, roof, prefill_lengths=(4,), decode_batches=(1, 3), context=5, reps=3)
-    assert [(q.kind, q.batch, q.tokens) for q in pts] == [("prefill", 1, 4), ("decode", 1, 1), ("decode", 3, 1)]
+    pts = bench.measure_points(
+        model, roof, prefill_lengths=(4,), decode_batches=(1, 3), context=5, reps=3
+    )
+    assert [(q.kind, q.batch, q.tokens) for q in pts] == [
+        ("prefill", 1, 4),
+        ("decode", 1, 1),
+        ("decode", 3, 1),
+    ]
     for q in pts:
         assert q.measured_s > 0 and q.predicted_s > 0
         assert q.mfu == pytest.approx(q.flops / q.measured_s / 1e10)
@@ -195,7 +211,11 @@ def test_bench_roofline_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
     kinds = {(p["model"], p["kind"]) for p in r["points"]}
     assert ("smollm2-135m", "decode") in kinds and ("smollm2-135m", "prefill") in kinds
     assert r["smollm2_params"] == 134_515_008
-    d1 = next(p for p in r["points"] if p["model"] == "smollm2-135m" and p["kind"] == "decode" and p["batch"] == 1)
+    d1 = next(
+        p
+        for p in r["points"]
+        if p["model"] == "smollm2-135m" and p["kind"] == "decode" and p["batch"] == 1
+    )
     assert d1["bound"] == "memory"
     # a floor is a floor: the step cannot run much faster than bytes / measured bandwidth
     assert d1["measured_s"] > 0.5 * d1["predicted_s"]

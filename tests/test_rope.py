@@ -1,15 +1,25 @@
 """RoPE: tables against transformers, the relative-position property, the two layouts' equivalence,
 and Llama-3 frequency scaling."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from llmlib.config import ModelConfig, RopeScaling
-from llmlib.rope import (RotaryTables, apply_rope, apply_rope_interleaved, apply_rope_layout,
-                         interleaved_to_split_half_perm, permute_heads, rope_inv_freq)
+from llmlib.rope import (
+    RotaryTables,
+    apply_rope,
+    apply_rope_interleaved,
+    apply_rope_layout,
+    interleaved_to_split_half_perm,
+    permute_heads,
+    rope_inv_freq,
+)
 
-SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 
 @pytest.mark.parametrize("scaling", [None, SCALING])
@@ -19,9 +29,16 @@ def test_tables_match_transformers(scaling: RopeScaling | None) -> None:
 
     kw = {"rope_theta": 500_000.0}
     if scaling:
-        kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=20_000, **kw)
+        kw["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=20_000, **kw
+    )
     hf = LlamaRotaryEmbedding(hf_cfg)
     pos = torch.tensor([[0, 1, 7, 100, 9000, 19_999]])
     cos_ref, sin_ref = hf(torch.zeros(1), pos)
@@ -77,17 +94,30 @@ def test_layouts_are_equivalent_under_permutation() -> None:
     a = apply_rope_interleaved(x, cos, sin)[..., perm]
     b = apply_rope(x[..., perm], cos, sin)
     torch.testing.assert_close(a, b)
-    torch.testing.assert_close(apply_rope_layout(x, cos, sin, "interleaved"), apply_rope_interleaved(x, cos, sin))
+    torch.testing.assert_close(
+        apply_rope_layout(x, cos, sin, "interleaved"), apply_rope_interleaved(x, cos, sin)
+    )
     # the same permutation applied to the rows of a projection matrix, head by head
     w = torch.randn(H * hd, 10)
     inp = torch.randn(10)
-    torch.testing.assert_close((permute_heads(w, H, perm) @ inp).view(H, hd), (w @ inp).view(H, hd)[:, perm])
+    torch.testing.assert_close(
+        (permute_heads(w, H, perm) @ inp).view(H, hd), (w @ inp).view(H, hd)[:, perm]
+    )
     with pytest.raises(ValueError, match="layout"):
         apply_rope_layout(x, cos, sin, "sideways")
 
 
 def test_arbitrary_positions_per_row() -> None:
-    cfg = ModelConfig(name="t", vocab_size=10, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8, max_seq_len=128)
+    cfg = ModelConfig(
+        name="t",
+        vocab_size=10,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=8,
+        max_seq_len=128,
+    )
     tables = RotaryTables.from_config(cfg)
     x = torch.randn(2, 2, 3, 16)
     pos = torch.tensor([[0, 1, 2], [50, 51, 90]])

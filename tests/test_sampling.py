@@ -1,4 +1,5 @@
 """Sampling: every knob against a hand-computed expectation, seeds, per-row params, bad input."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,13 @@ import math
 import pytest
 import torch
 
-from llmlib.sampling import SamplingParams, apply_repetition_penalty, filter_logits, probabilities, sample
+from llmlib.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    filter_logits,
+    probabilities,
+    sample,
+)
 
 
 def _row(*probs: float) -> torch.Tensor:
@@ -55,15 +62,26 @@ def test_min_p_is_relative_to_the_top_token():
 def test_filters_compose_like_hugging_face():
     # compare with transformers' own warpers applied in its order (temperature, top-k, top-p, min-p)
     tr = pytest.importorskip("transformers")
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 200, generator=g) * 3
     ref = logits.clone()
-    for w in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(50), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)):
+    for w in (
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(50),
+        TopPLogitsWarper(0.9),
+        MinPLogitsWarper(0.05),
+    ):
         ref = w(None, ref)
-    ours = filter_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]), torch.tensor([0.05]))
+    ours = filter_logits(
+        logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]), torch.tensor([0.05])
+    )
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
     torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1))
     del tr
@@ -74,7 +92,11 @@ def test_repetition_penalty_matches_the_ctrl_rule():
     out = apply_repetition_penalty(logits, torch.tensor([[0, 1]]), torch.tensor([2.0]))
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
     # in sample(): the repeated top token loses to the next one
-    tok = sample(torch.tensor([[2.0, 1.5, 0.0]]), [SamplingParams(temperature=0, repetition_penalty=2.0)], seen=[[0]])
+    tok = sample(
+        torch.tensor([[2.0, 1.5, 0.0]]),
+        [SamplingParams(temperature=0, repetition_penalty=2.0)],
+        seen=[[0]],
+    )
     assert tok.tolist() == [1]
     with pytest.raises(ValueError, match="seen"):
         sample(torch.tensor([[2.0, 1.5]]), [SamplingParams(repetition_penalty=2.0)])
@@ -102,12 +124,18 @@ def test_sampling_frequencies_follow_the_distribution():
     counts = torch.zeros(3)
     for _ in range(3000):
         counts[sample(logits, [SamplingParams(temperature=1.0)], [g])[0]] += 1
-    torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+    torch.testing.assert_close(
+        counts / counts.sum(), torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0
+    )
 
 
 def test_mixed_batch_greedy_and_sampled_rows():
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(3))
-    ps = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1, seed=0), SamplingParams(temperature=0)]
+    ps = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=1, seed=0),
+        SamplingParams(temperature=0),
+    ]
     out = sample(logits, ps, [p.make_generator() for p in ps])
     assert out.tolist() == logits.argmax(-1).tolist()  # top_k=1 sampling is greedy too
 
@@ -116,30 +144,33 @@ def test_stop_accepts_one_string():
     assert SamplingParams(stop="\n").stop == ["\n"]
 
 
-@pytest.mark.parametrize("kwargs, exc", [
-    (dict(temperature=-0.1), ValueError),
-    (dict(temperature=float("nan")), ValueError),
-    (dict(temperature=float("inf")), ValueError),
-    (dict(temperature="hot"), TypeError),
-    (dict(top_k=0), ValueError),
-    (dict(top_k=-3), ValueError),
-    (dict(top_k=2.5), TypeError),
-    (dict(top_k=True), TypeError),
-    (dict(top_p=0.0), ValueError),
-    (dict(top_p=1.5), ValueError),
-    (dict(top_p=-0.2), ValueError),
-    (dict(min_p=-0.1), ValueError),
-    (dict(min_p=1.1), ValueError),
-    (dict(repetition_penalty=0.0), ValueError),
-    (dict(repetition_penalty=-1.0), ValueError),
-    (dict(seed=-1), ValueError),
-    (dict(seed=1.5), TypeError),
-    (dict(max_tokens=0), ValueError),
-    (dict(max_tokens=2.0), TypeError),
-    (dict(stop=[""]), ValueError),
-    (dict(stop=[1, 2]), TypeError),
-    (dict(ignore_eos="yes"), TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(temperature=-0.1), ValueError),
+        (dict(temperature=float("nan")), ValueError),
+        (dict(temperature=float("inf")), ValueError),
+        (dict(temperature="hot"), TypeError),
+        (dict(top_k=0), ValueError),
+        (dict(top_k=-3), ValueError),
+        (dict(top_k=2.5), TypeError),
+        (dict(top_k=True), TypeError),
+        (dict(top_p=0.0), ValueError),
+        (dict(top_p=1.5), ValueError),
+        (dict(top_p=-0.2), ValueError),
+        (dict(min_p=-0.1), ValueError),
+        (dict(min_p=1.1), ValueError),
+        (dict(repetition_penalty=0.0), ValueError),
+        (dict(repetition_penalty=-1.0), ValueError),
+        (dict(seed=-1), ValueError),
+        (dict(seed=1.5), TypeError),
+        (dict(max_tokens=0), ValueError),
+        (dict(max_tokens=2.0), TypeError),
+        (dict(stop=[""]), ValueError),
+        (dict(stop=[1, 2]), TypeError),
+        (dict(ignore_eos="yes"), TypeError),
+    ],
+)
 def test_invalid_params_raise(kwargs, exc):
     field = next(iter(kwargs))
     with pytest.raises(exc, match=field):

@@ -1,17 +1,23 @@
 """The scheduler on fake sequences (no model): budget, mixing, preemption, finishing, prefix reuse."""
+
 from __future__ import annotations
 
 import pytest
 
-from llmlib.block_manager import BlockManager
-from llmlib.scheduler import Scheduler, Sequence, SequenceStatus
+from llmlib.engine.block_manager import BlockManager
+from llmlib.engine.scheduler import Scheduler, Sequence, SequenceStatus
 
 _ids = iter(range(10**6))
 
 
 def seq(n_prompt: int, max_tokens: int = 8, first: int = 0, eos=(), **kw) -> Sequence:
-    return Sequence(seq_id=next(_ids), prompt_token_ids=[first + i for i in range(n_prompt)],
-                    max_tokens=max_tokens, eos_token_ids=frozenset(eos), **kw)
+    return Sequence(
+        seq_id=next(_ids),
+        prompt_token_ids=[first + i for i in range(n_prompt)],
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset(eos),
+        **kw,
+    )
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -89,9 +95,15 @@ def test_finish_on_eos_and_max_tokens_frees_blocks():
 
 
 def test_preemption_requeues_the_newest_and_everything_finishes():
-    bm = BlockManager(num_blocks=6, block_size=4)  # 24 slots: not enough for three 13-token sequences
+    bm = BlockManager(
+        num_blocks=6, block_size=4
+    )  # 24 slots: not enough for three 13-token sequences
     s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
-    a, b, c = seq(4, max_tokens=9, first=0), seq(4, max_tokens=9, first=100), seq(4, max_tokens=9, first=200)
+    a, b, c = (
+        seq(4, max_tokens=9, first=0),
+        seq(4, max_tokens=9, first=100),
+        seq(4, max_tokens=9, first=200),
+    )
     for q in (a, b, c):
         s.add(q)
     run_step(s)  # all three admitted: 3 blocks used
@@ -137,7 +149,10 @@ def test_shared_prefix_is_computed_once_even_when_admitted_together():
     bm = BlockManager(64, 4)
     s = Scheduler(bm, max_num_batched_tokens=1000)
     system = list(range(500, 516))  # 16 tokens = 4 blocks
-    seqs = [Sequence(seq_id=next(_ids), prompt_token_ids=system + [i, i + 1], max_tokens=3) for i in range(5)]
+    seqs = [
+        Sequence(seq_id=next(_ids), prompt_token_ids=system + [i, i + 1], max_tokens=3)
+        for i in range(5)
+    ]
     for q in seqs:
         s.add(q)
     chunks = run_step(s)
@@ -154,8 +169,13 @@ def test_shared_prefix_is_computed_once_even_when_admitted_together():
 
 def test_admission_keeps_a_block_of_headroom_per_running_sequence():
     """A prompt that would leave fewer free blocks than running sequences waits (no watermark here)."""
-    s4 = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
-                   watermark=0.0, headroom_blocks_per_seq=1)
+    s4 = Scheduler(
+        BlockManager(8, 4, enable_prefix_caching=False),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        watermark=0.0,
+        headroom_blocks_per_seq=1,
+    )
     for first in (0, 100, 200, 300):
         s4.add(seq(8, max_tokens=4, first=first))
     run_step(s4)
@@ -163,8 +183,13 @@ def test_admission_keeps_a_block_of_headroom_per_running_sequence():
     assert len(s4.running) == 2 and len(s4.waiting) == 2
     drain(s4)
     assert s4.stats.preemptions == 0 and s4.bm.num_free_blocks == 8
-    s0 = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
-                   watermark=0.0, headroom_blocks_per_seq=0)
+    s0 = Scheduler(
+        BlockManager(8, 4, enable_prefix_caching=False),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        watermark=0.0,
+        headroom_blocks_per_seq=0,
+    )
     for first in (0, 100, 200, 300):
         s0.add(seq(8, max_tokens=4, first=first))
     run_step(s0)

@@ -1,4 +1,5 @@
 """llmlib's BPE trainer and encoder against Hugging Face ``tokenizers`` and by properties."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ def per_pattern(corpus: str, tmp_path_factory) -> dict:
     out = {}
     d = tmp_path_factory.mktemp("bpe")
     for name in ("gpt2", "gpt4", "llama3", "smollm2"):
-        tok = train_bpe(corpus[:60_000] + "12 345 6789 2024 1,000,000", 700, pattern=name,
-                        special_tokens=SPECIALS, progress=False)
+        tok = train_bpe(
+            corpus[:60_000] + "12 345 6789 2024 1,000,000",
+            700,
+            pattern=name,
+            special_tokens=SPECIALS,
+            progress=False,
+        )
         path = d / f"{name}.json"
         tok.save(path)
         out[name] = (tok, tokenizers.Tokenizer.from_file(str(path)))
@@ -47,11 +53,64 @@ def per_pattern(corpus: str, tmp_path_factory) -> dict:
 
 # ---- random text that stresses pre-tokenization: scripts, emoji, whitespace, digits, controls
 FRAGMENTS = [
-    "the", " The", "Elizabeth", "don't", "'s", "'LL", "I'M", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n",
-    " \n ", "\u00a0", "\u3000", "\u2028", "0", "7", "42", "2024", "3.14159", "1,000,000", "٣٤", "１２",
-    "Ⅻ", "½", "ﬁ", "straße", "Привет", "мир", "你好世界", "日本語のテキスト", "हिन्दी", "مرحبا", "שלום",
-    "🤖", "👩‍👩‍👧", "🇫🇷", "é", "e\u0301", "\x00", "\x04", "\x1b[0m", "\x7f", "\x85", "...", "?!", "—", "«»",
-    "def f(x):", "    return x**2", "<|", "|>", "<|endoftext", "\ufeff", "\U0001F600\U0001F600",
+    "the",
+    " The",
+    "Elizabeth",
+    "don't",
+    "'s",
+    "'LL",
+    "I'M",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n ",
+    "\u00a0",
+    "\u3000",
+    "\u2028",
+    "0",
+    "7",
+    "42",
+    "2024",
+    "3.14159",
+    "1,000,000",
+    "٣٤",
+    "１２",
+    "Ⅻ",
+    "½",
+    "ﬁ",
+    "straße",
+    "Привет",
+    "мир",
+    "你好世界",
+    "日本語のテキスト",
+    "हिन्दी",
+    "مرحبا",
+    "שלום",
+    "🤖",
+    "👩‍👩‍👧",
+    "🇫🇷",
+    "é",
+    "e\u0301",
+    "\x00",
+    "\x04",
+    "\x1b[0m",
+    "\x7f",
+    "\x85",
+    "...",
+    "?!",
+    "—",
+    "«»",
+    "def f(x):",
+    "    return x**2",
+    "<|",
+    "|>",
+    "<|endoftext",
+    "\ufeff",
+    "\U0001f600\U0001f600",
 ]
 # Code points unassigned in Python's Unicode tables are left out: the regex engines disagree on
 # them only because they ship different Unicode versions (a newer `regex` calls some letters).
@@ -59,9 +118,13 @@ chars = st.characters(exclude_categories=("Cn", "Cs"))
 texts = st.one_of(
     st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join),
     st.text(chars, max_size=60),
-    st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(chars, max_size=5)), max_size=20).map("".join),
+    st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(chars, max_size=5)), max_size=20).map(
+        "".join
+    ),
 )
-HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYP = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 # ------------------------------------------------------------------------------- training
@@ -79,22 +142,36 @@ def test_train_shapes_and_ids(trained: Tokenizer):
 
 def test_merges_equal_tokenizers_trainer(corpus: str):
     """Same counts and the documented tie-break: merge for merge what tokenizers' BpeTrainer learns."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
 
     ours = train_bpe(corpus, 1024, pattern="gpt4", special_tokens=["<|endoftext|>"], progress=False)
     hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PATTERNS["llama3"]), behavior="isolated"),  # same pieces on this text
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = trainers.BpeTrainer(vocab_size=1024, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"])
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(PATTERNS["llama3"]), behavior="isolated"
+            ),  # same pieces on this text
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+    )
     hf.train_from_iterator([corpus], trainer=trainer)
-    hf_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-                 for m in json.loads(hf.to_str())["model"]["merges"]]
+    hf_merges = [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+        for m in json.loads(hf.to_str())["model"]["merges"]
+    ]
     enc = llmlib.tokenizer.bytes_to_unicode()
-    ours_merges = [("".join(enc[c] for c in ours.id_to_bytes(a)), "".join(enc[c] for c in ours.id_to_bytes(b)))
-                   for a, b in ours.merge_list()]
+    ours_merges = [
+        ("".join(enc[c] for c in ours.id_to_bytes(a)), "".join(enc[c] for c in ours.id_to_bytes(b)))
+        for a, b in ours.merge_list()
+    ]
     assert ours_merges == hf_merges
 
 
@@ -136,7 +213,10 @@ def test_saved_json_encodes_identically_on_corpus(per_pattern, corpus: str, name
 @given(text=texts)
 def test_saved_json_encodes_identically_random(per_pattern, text: str):
     for name, (ours, hf) in per_pattern.items():
-        assert ours.encode(text, allowed_special="all") == hf.encode(text, add_special_tokens=False).ids, name
+        assert (
+            ours.encode(text, allowed_special="all")
+            == hf.encode(text, add_special_tokens=False).ids
+        ), name
 
 
 @HYP
@@ -146,10 +226,14 @@ def test_patterns_split_like_tokenizers(text: str):
     from tokenizers import pre_tokenizers as pt
 
     enc = llmlib.tokenizer.bytes_to_unicode()
+
     def bl(pieces):
         return ["".join(enc[b] for b in p.encode("utf-8")) for p in pieces]
+
     gpt2 = pt.ByteLevel(add_prefix_space=False, use_regex=True)
-    smol = pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+    smol = pt.Sequence(
+        [pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
     assert bl(pretokenize(text, "gpt2")) == [p for p, _ in gpt2.pre_tokenize_str(text)]
     assert bl(pretokenize(text, "smollm2")) == [p for p, _ in smol.pre_tokenize_str(text)]
 
@@ -204,7 +288,10 @@ def test_special_tokens_allowed_and_disallowed(trained: Tokenizer):
     with pytest.raises(ValueError, match="not allowed"):
         trained.encode(text)
     ids = trained.encode(text, allowed_special="all")
-    assert ids[0] == trained.special_tokens["<|im_start|>"] and ids[-1] == trained.special_tokens["<|im_end|>"]
+    assert (
+        ids[0] == trained.special_tokens["<|im_start|>"]
+        and ids[-1] == trained.special_tokens["<|im_end|>"]
+    )
     assert trained.decode(ids) == text
     # only one of them allowed: the other must still raise
     with pytest.raises(ValueError, match="<\\|im_end\\|>"):
@@ -256,7 +343,9 @@ def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         load_tokenizer(bad_json)
     wordpiece = tmp_path / "wp.json"
-    wordpiece.write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {}}}), encoding="utf-8")
+    wordpiece.write_text(
+        json.dumps({"model": {"type": "WordPiece", "vocab": {}}}), encoding="utf-8"
+    )
     with pytest.raises(ValueError, match="not supported"):
         load_tokenizer(wordpiece)
     unknown = tmp_path / "vocab.bin"
@@ -303,7 +392,9 @@ def test_bench_bpe_runs_small(tmp_path, corpus: str, capsys):
 
     small = tmp_path / "small.txt"
     small.write_text(corpus[:30_000], encoding="utf-8")
-    assert bpe.main(["--corpus", str(small), "--vocab-size", "400", "--repeats", "1", "--json"]) == 0
+    assert (
+        bpe.main(["--corpus", str(small), "--vocab-size", "400", "--repeats", "1", "--json"]) == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert res["train"]["same_merges"] is True and res["train"]["ratio"] > 0
     for row in res["encode"].values():
@@ -311,27 +402,71 @@ def test_bench_bpe_runs_small(tmp_path, corpus: str, capsys):
 
 
 @settings(max_examples=100, deadline=None)
-@given(parts=st.lists(st.sampled_from(["the", " the", " cat", "cat", "at", " hat", "aaaa", "abab", " ", "  ", "\n",
-                                       "ü", "日本", "🤖", "12", "!!", "ab", "ba", "aab", "abb"]), min_size=1, max_size=60),
-       vocab=st.integers(257, 330), min_frequency=st.integers(1, 3), pattern=st.sampled_from(["gpt2", "gpt4", "smollm2"]))
+@given(
+    parts=st.lists(
+        st.sampled_from(
+            [
+                "the",
+                " the",
+                " cat",
+                "cat",
+                "at",
+                " hat",
+                "aaaa",
+                "abab",
+                " ",
+                "  ",
+                "\n",
+                "ü",
+                "日本",
+                "🤖",
+                "12",
+                "!!",
+                "ab",
+                "ba",
+                "aab",
+                "abb",
+            ]
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    vocab=st.integers(257, 330),
+    min_frequency=st.integers(1, 3),
+    pattern=st.sampled_from(["gpt2", "gpt4", "smollm2"]),
+)
 def test_merges_equal_tokenizers_trainer_random(parts, vocab, min_frequency, pattern):
     """Tiny corpora are full of ties: the documented tie-break must match tokenizers' exactly."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
 
     from llmlib.tokenizer.pretokenize import to_onig
 
     text = "".join(parts)
     ours = train_bpe(text, vocab, pattern=pattern, min_frequency=min_frequency, progress=False)
     hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(to_onig(pattern)), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    hf.train_from_iterator([text], trainer=trainers.BpeTrainer(
-        vocab_size=vocab, min_frequency=min_frequency, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(to_onig(pattern)), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    hf.train_from_iterator(
+        [text],
+        trainer=trainers.BpeTrainer(
+            vocab_size=vocab,
+            min_frequency=min_frequency,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     enc = llmlib.tokenizer.bytes_to_unicode()
-    hf_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-                 for m in json.loads(hf.to_str())["model"]["merges"]]
-    ours_merges = [("".join(enc[c] for c in ours.id_to_bytes(a)), "".join(enc[c] for c in ours.id_to_bytes(b)))
-                   for a, b in ours.merge_list()]
+    hf_merges = [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+        for m in json.loads(hf.to_str())["model"]["merges"]
+    ]
+    ours_merges = [
+        ("".join(enc[c] for c in ours.id_to_bytes(a)), "".join(enc[c] for c in ours.id_to_bytes(b)))
+        for a, b in ours.merge_list()
+    ]
     assert ours_merges == hf_merges

@@ -1,4 +1,5 @@
 """Real tokenizers read by llmlib give the reference libraries' ids: cl100k (tiktoken), SmolLM2 (GGUF)."""
+
 from __future__ import annotations
 
 import os
@@ -13,21 +14,69 @@ from hypothesis import strategies as st
 from llmlib.tokenizer import load_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "austen.txt"
-HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYP = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 chars = st.characters(exclude_categories=("Cn", "Cs"))
-FRAGMENTS = [" the", "Hello", "don't", "'S", "  ", "\n", "\r\n", " \n ", "\t", "0", "12345", "3.14", "٣",
-             "Привет", "你好", "日本語", "हिन्दी", "مرحبا", "🤖", "👩‍💻", "é", "\x00", "\x1b", "x = [1, 2]",
-             "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|endofprompt|>", "    ", "!!!", "—"]
-texts = st.one_of(st.text(chars, max_size=60),
-                  st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(chars, max_size=4)), max_size=25).map("".join))
+FRAGMENTS = [
+    " the",
+    "Hello",
+    "don't",
+    "'S",
+    "  ",
+    "\n",
+    "\r\n",
+    " \n ",
+    "\t",
+    "0",
+    "12345",
+    "3.14",
+    "٣",
+    "Привет",
+    "你好",
+    "日本語",
+    "हिन्दी",
+    "مرحبا",
+    "🤖",
+    "👩‍💻",
+    "é",
+    "\x00",
+    "\x1b",
+    "x = [1, 2]",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|endofprompt|>",
+    "    ",
+    "!!!",
+    "—",
+]
+texts = st.one_of(
+    st.text(chars, max_size=60),
+    st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(chars, max_size=4)), max_size=25).map(
+        "".join
+    ),
+)
 
 SAMPLES = [
-    "Hello, world!", "It is a truth universally acknowledged, that a single man in possession of a good fortune",
-    "quadratic", "The year 2024 had 366 days; 1,000,000 is a million.", "  leading and trailing spaces  ",
-    "line one\nline two\r\n\n\ttabbed", "def add(a, b):\n    return a + b  # 42\n",
-    "Le château était magnifique.", "Die Straße ist lang.", "¿Dónde está la biblioteca?",
-    "Москва — столица России.", "我们今天去公园散步。", "東京は日本の首都です。", "नमस्ते दुनिया", "مرحبا بالعالم",
-    "emoji 🤖🎉👩‍👩‍👧 flags 🇫🇷", "control \x00\x07 chars\x7f", "<|im_start|>user\nHi!<|im_end|>\n",
+    "Hello, world!",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    "quadratic",
+    "The year 2024 had 366 days; 1,000,000 is a million.",
+    "  leading and trailing spaces  ",
+    "line one\nline two\r\n\n\ttabbed",
+    "def add(a, b):\n    return a + b  # 42\n",
+    "Le château était magnifique.",
+    "Die Straße ist lang.",
+    "¿Dónde está la biblioteca?",
+    "Москва — столица России.",
+    "我们今天去公园散步。",
+    "東京は日本の首都です。",
+    "नमस्ते दुनिया",
+    "مرحبا بالعالم",
+    "emoji 🤖🎉👩‍👩‍👧 flags 🇫🇷",
+    "control \x00\x07 chars\x7f",
+    "<|im_start|>user\nHi!<|im_end|>\n",
 ]
 
 
@@ -63,13 +112,17 @@ def test_cl100k_matches_tiktoken_on_corpus(cl100k, tiktoken_enc):
     text = CORPUS.read_text(encoding="utf-8")[:300_000]
     assert cl100k.encode(text) == tiktoken_enc.encode(text)
     for s in SAMPLES:
-        assert cl100k.encode(s, allowed_special="all") == tiktoken_enc.encode(s, allowed_special="all"), s
+        assert cl100k.encode(s, allowed_special="all") == tiktoken_enc.encode(
+            s, allowed_special="all"
+        ), s
 
 
 @HYP
 @given(text=texts)
 def test_cl100k_matches_tiktoken_random(cl100k, tiktoken_enc, text):
-    assert cl100k.encode(text, allowed_special="all") == tiktoken_enc.encode(text, allowed_special="all")
+    assert cl100k.encode(text, allowed_special="all") == tiktoken_enc.encode(
+        text, allowed_special="all"
+    )
     assert cl100k.encode_ordinary(text) == tiktoken_enc.encode_ordinary(text)
     assert cl100k.decode(cl100k.encode_ordinary(text)) == text
 
@@ -86,7 +139,9 @@ def test_cl100k_saved_as_json_matches_tokenizers(cl100k, tiktoken_enc, tmp_path)
     cl100k.save(tmp_path / "tokenizer.json")
     hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     text = CORPUS.read_text(encoding="utf-8")[:100_000] + "".join(SAMPLES)
-    assert hf.encode(text, add_special_tokens=False).ids == tiktoken_enc.encode(text, allowed_special="all")
+    assert hf.encode(text, add_special_tokens=False).ids == tiktoken_enc.encode(
+        text, allowed_special="all"
+    )
 
 
 # ---------------------------------------------------------------------------------- GGUF / SmolLM2
@@ -104,7 +159,9 @@ def smol(gguf_path):
 @pytest.fixture(scope="module")
 def hf_smol(gguf_path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +176,9 @@ def hf_smol_real_pretok(hf_smol):
     from tokenizers import pre_tokenizers as pt
 
     tok = HFTokenizer.from_str(hf_smol.backend_tokenizer.to_str())
-    tok.pre_tokenizer = pt.Sequence([pt.Digits(individual_digits=True),
-                                     pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pt.Sequence(
+        [pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
@@ -139,7 +197,9 @@ def test_smollm2_matches_transformers(smol, hf_smol):
     text = CORPUS.read_text(encoding="utf-8")
     paragraphs = text[:400_000].split("\n\n")
     for s in SAMPLES + paragraphs:
-        assert smol.encode(s, allowed_special="all") == hf_smol(s, add_special_tokens=False).input_ids, s[:80]
+        assert (
+            smol.encode(s, allowed_special="all") == hf_smol(s, add_special_tokens=False).input_ids
+        ), s[:80]
 
 
 @pytest.mark.model
@@ -148,7 +208,8 @@ def test_smollm2_matches_transformers(smol, hf_smol):
 def test_smollm2_matches_real_pretokenizer_random(smol, hf_smol_real_pretok, text):
     assert smol.encode(text, allowed_special="all") == hf_smol_real_pretok(text)
     assert smol.decode(smol.encode(text, allowed_special="all")) == "".join(
-        c for c in text if not (c.encode() and all(b in smol.missing_bytes for b in c.encode())))
+        c for c in text if not (c.encode() and all(b in smol.missing_bytes for b in c.encode()))
+    )
 
 
 @pytest.mark.model
@@ -164,7 +225,10 @@ def test_smollm2_digits_after_spaces(smol, hf_smol, hf_smol_real_pretok):
 def test_smollm2_chat_markers(smol, hf_smol):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     prompt = hf_smol.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert smol.encode(prompt, allowed_special="all") == hf_smol(prompt, add_special_tokens=False).input_ids
+    assert (
+        smol.encode(prompt, allowed_special="all")
+        == hf_smol(prompt, add_special_tokens=False).input_ids
+    )
     with pytest.raises(ValueError, match="im_start"):
         smol.encode(prompt)
 
@@ -176,16 +240,37 @@ def test_real_tokenizer_json_loads(smol, hf_smol, tmp_path):
     import json
 
     data = json.loads(hf_smol.backend_tokenizer.to_str())
-    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    data["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": True,
+                "use_regex": True,
+            },
+        ],
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": smol.chat_template}), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": smol.chat_template,
+            }
+        ),
+        encoding="utf-8",
+    )
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     assert tok.pattern_name == "smollm2" and tok.vocab_size == smol.vocab_size
     assert tok.special_tokens == smol.special_tokens
-    assert (tok.bos_id, tok.eos_id, tok.chat_template) == (smol.bos_id, smol.eos_id, smol.chat_template)
+    assert (tok.bos_id, tok.eos_id, tok.chat_template) == (
+        smol.bos_id,
+        smol.eos_id,
+        smol.chat_template,
+    )
     text = CORPUS.read_text(encoding="utf-8")[:100_000] + "".join(SAMPLES) + " in  2024"
     assert tok.encode(text, allowed_special="all") == smol.encode(text, allowed_special="all")
 
@@ -196,4 +281,6 @@ def test_cl100k_json_round_trip(cl100k, tiktoken_enc, tmp_path):
     again = load_tokenizer(tmp_path / "tokenizer.json")
     assert again.pattern_name == "gpt4" and again.special_tokens == cl100k.special_tokens
     text = CORPUS.read_text(encoding="utf-8")[:50_000] + "".join(SAMPLES)
-    assert again.encode(text, allowed_special="all") == tiktoken_enc.encode(text, allowed_special="all")
+    assert again.encode(text, allowed_special="all") == tiktoken_enc.encode(
+        text, allowed_special="all"
+    )

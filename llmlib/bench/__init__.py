@@ -3,6 +3,7 @@
 Benchmarks time llmlib against a reference in the same run and print medians and ratios, since
 these machines are shared and noisy.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name = argv[0]
     if name not in names:
-        print(f"llmlib bench: unknown benchmark {name!r}; known: {', '.join(names)}", file=sys.stderr)
+        print(
+            f"llmlib bench: unknown benchmark {name!r}; known: {', '.join(names)}", file=sys.stderr
+        )
         return 2
     return int(importlib.import_module(f"llmlib.bench.{name}").main(argv[1:]) or 0)

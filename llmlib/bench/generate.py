@@ -1,39 +1,43 @@
 """``llmlib bench generate``: decode speed at batch 1, llmlib against transformers, in one run.
 
 Both load the same SmolLM2 GGUF in float32 on the CPU and generate the same number of new tokens
-greedily from the same prompt ids (the question in SmolLM2's chat template) (transformers with ``min_new_tokens`` so it cannot stop early,
+greedily from the same prompt ids (the question in SmolLM2's chat template; transformers with
+``min_new_tokens`` so it cannot stop early,
 llmlib with ``ignore_eos``). Runs alternate between the two so a noisy neighbour on this shared
 machine slows both alike; we report medians and their ratio.
 
 Threads: llmlib decodes with one thread by default (``--threads``). A batch-1 step is a chain of
 matrix-vector products limited by memory bandwidth, which one core of this machine already
-saturates (a second thread measured no faster), and one thread does not stall when another
+saturates, and one thread does not stall when another
 process holds the other core. transformers keeps PyTorch's default (``--hf-threads`` to change it);
 both counts are printed.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
+
+from llmlib.device import timings
 
 PROMPT = "What is a quadratic equation?"
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def run(model_path: str | None = None, new_tokens: int = 64, runs: int = 3, threads: int | None = 1,
-        prompt: str = PROMPT, verbose: bool = True, hf_threads: int | None = None) -> dict:
+def run(
+    model_path: str | None = None,
+    new_tokens: int = 64,
+    runs: int = 3,
+    threads: int | None = 1,
+    prompt: str = PROMPT,
+    verbose: bool = True,
+    hf_threads: int | None = None,
+) -> dict:
     import llmlib
-    from llmlib.fetch import resolve_model_path
+    from llmlib.checkpoints import resolve_model_path
     from llmlib.generate import Generator
 
     default_threads = torch.get_num_threads()
@@ -42,13 +46,20 @@ def run(model_path: str | None = None, new_tokens: int = 64, runs: int = 3, thre
     path = resolve_model_path(model_path)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if verbose else (lambda *a: None)
 
-    log(f"loading {path.name} into llmlib and transformers (float32, CPU; threads: llmlib {ours_threads}, transformers {theirs_threads}) ...")
-    gen = Generator(llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path))
+    log(
+        f"loading {path.name} into llmlib and transformers (float32, CPU; threads: "
+        f"llmlib {ours_threads}, transformers {theirs_threads}) ..."
+    )
+    gen = Generator(
+        llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path)
+    )
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
     # the chat template, as a user would ask (SmolLM2-Instruct's first greedy token after the bare
     # question is its end-of-turn token, so the raw prompt would measure a continuation past it)
@@ -66,28 +77,45 @@ def run(model_path: str | None = None, new_tokens: int = 64, runs: int = 3, thre
         torch.set_num_threads(theirs_threads)
         try:
             with torch.inference_mode():
-                out = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                out = hf.generate(
+                    ids_t,
+                    attention_mask=torch.ones_like(ids_t),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
         finally:
             torch.set_num_threads(default_threads)
-        return out[0, len(ids):].tolist()
+        return out[0, len(ids) :].tolist()
 
     # warm up both (first calls allocate caches and pick kernels), and compare the tokens
     same = ours() == theirs()
     t_ours, t_theirs = [], []
     for i in range(runs):
-        t_ours.append(_time(ours))
-        t_theirs.append(_time(theirs))
-        log(f"run {i + 1}/{runs}: llmlib {new_tokens / t_ours[-1]:.1f} tok/s, transformers {new_tokens / t_theirs[-1]:.1f} tok/s")
+        t_ours += timings(ours, warmup=0, reps=1)
+        t_theirs += timings(theirs, warmup=0, reps=1)
+        log(
+            f"run {i + 1}/{runs}: llmlib {new_tokens / t_ours[-1]:.1f} tok/s, "
+            f"transformers {new_tokens / t_theirs[-1]:.1f} tok/s"
+        )
     ours_tps = new_tokens / statistics.median(t_ours)
     theirs_tps = new_tokens / statistics.median(t_theirs)
     return {
-        "model": path.name, "dtype": "float32", "device": "cpu",
-        "llmlib_threads": ours_threads, "transformers_threads": theirs_threads,
-        "prompt_tokens": len(ids), "new_tokens": new_tokens, "runs": runs,
-        "llmlib_tokens_per_s": round(ours_tps, 2), "transformers_tokens_per_s": round(theirs_tps, 2),
-        "ratio": round(ours_tps / theirs_tps, 3), "same_tokens": same,
-        "llmlib_seconds": [round(t, 3) for t in t_ours], "transformers_seconds": [round(t, 3) for t in t_theirs],
+        "model": path.name,
+        "dtype": "float32",
+        "device": "cpu",
+        "llmlib_threads": ours_threads,
+        "transformers_threads": theirs_threads,
+        "prompt_tokens": len(ids),
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "llmlib_tokens_per_s": round(ours_tps, 2),
+        "transformers_tokens_per_s": round(theirs_tps, 2),
+        "ratio": round(ours_tps / theirs_tps, 3),
+        "same_tokens": same,
+        "llmlib_seconds": [round(t, 3) for t in t_ours],
+        "transformers_seconds": [round(t, 3) for t in t_theirs],
     }
 
 
@@ -96,22 +124,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for llmlib (default: 1; 0 = torch's default)")
-    ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for transformers (default: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for llmlib (default: 1; 0 = torch's default)",
+    )
+    ap.add_argument(
+        "--hf-threads",
+        type=int,
+        default=None,
+        help="torch threads for transformers (default: torch's default)",
+    )
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    if args.new_tokens < 1 or args.runs < 1 or args.threads < 0 or (args.hf_threads is not None and args.hf_threads < 1):
-        print("llmlib bench generate: --new-tokens, --runs and --hf-threads must be >= 1, --threads >= 0", file=sys.stderr)
+    if (
+        args.new_tokens < 1
+        or args.runs < 1
+        or args.threads < 0
+        or (args.hf_threads is not None and args.hf_threads < 1)
+    ):
+        print(
+            "llmlib bench generate: --new-tokens, --runs and --hf-threads must be >= 1, --threads >= 0",
+            file=sys.stderr,
+        )
         return 2
-    r = run(args.model, args.new_tokens, args.runs, args.threads or None, args.prompt, verbose=not args.json,
-            hf_threads=args.hf_threads)
+    r = run(
+        args.model,
+        args.new_tokens,
+        args.runs,
+        args.threads or None,
+        args.prompt,
+        verbose=not args.json,
+        hf_threads=args.hf_threads,
+    )
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print(f"{r['model']} float32 CPU, batch 1, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
-              f"median of {r['runs']} runs")
-        print(f"  llmlib        {r['llmlib_tokens_per_s']:7.1f} tokens/s   ({r['llmlib_threads']} threads)")
-        print(f"  transformers  {r['transformers_tokens_per_s']:7.1f} tokens/s   ({r['transformers_threads']} threads)")
-        print(f"  ratio         {r['ratio']:7.2f}x   (same greedy tokens: {'yes' if r['same_tokens'] else 'no'})")
+        print(
+            f"{r['model']} float32 CPU, batch 1, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
+            f"median of {r['runs']} runs"
+        )
+        print(
+            f"  llmlib        {r['llmlib_tokens_per_s']:7.1f} tokens/s   ({r['llmlib_threads']} threads)"
+        )
+        print(
+            f"  transformers  {r['transformers_tokens_per_s']:7.1f} tokens/s   ({r['transformers_threads']} threads)"
+        )
+        print(
+            f"  ratio         {r['ratio']:7.2f}x   (same greedy tokens: {'yes' if r['same_tokens'] else 'no'})"
+        )
     return 0

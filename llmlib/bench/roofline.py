@@ -11,6 +11,7 @@ A third, tiny model with SmolLM2's depth but almost no width measures what a for
 when there is nearly nothing to compute or read: the fixed per-step overhead of Python and kernel
 launches, which the roofline does not know about and which dominates small decode steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from llmlib.config import ModelConfig, get_config
-from llmlib.roofline import Roof, time_reps, fmt_si, measure_machine, phase, predict
+from llmlib.device import time_fn, timings
+from llmlib.dtypes import canonical
+from llmlib.roofline import Roof, fmt_si, measure_machine, phase, predict
 
 
 @dataclass(frozen=True)
@@ -50,19 +53,9 @@ class Point:
         return self.measured_s / self.predicted_s
 
 
-def _median_time(fn: Any, device: Any, warmup: int, reps: int, budget_s: float = 1.5) -> float:
-    """Median seconds of ``fn`` after a warm-up; fewer repetitions (at least 3) for slow calls, so the
-    whole benchmark stays short, and more never than ``reps``."""
-    first = time_reps(fn, device, 0, 1)[0]  # the first call is a warm-up too (allocations, caches)
-    reps = max(3, min(reps, int(budget_s / max(first, 1e-6))))
-    return statistics.median(time_reps(fn, device, max(warmup - 1, 0), reps))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
-
-
-def _make_cache(cfg: ModelConfig, batch: int, context: int, device: torch.device, dtype: torch.dtype) -> Any:
+def _make_cache(
+    cfg: ModelConfig, batch: int, context: int, device: torch.device, dtype: torch.dtype
+) -> Any:
     """A static KV cache already holding ``context`` tokens per row (random keys and values: the time of
     attention does not depend on what they are)."""
     from llmlib.kv_cache import KVCache
@@ -75,17 +68,21 @@ def _make_cache(cfg: ModelConfig, batch: int, context: int, device: torch.device
 
 
 @torch.inference_mode()
-def time_prefill(model: torch.nn.Module, tokens: int, batch: int = 1, reps: int = 3, warmup: int = 1) -> float:
+def time_prefill(
+    model: torch.nn.Module, tokens: int, batch: int = 1, reps: int = 3, warmup: int = 1
+) -> float:
     """Median seconds of a prefill of ``tokens`` tokens per row (no cache, logits for the last position)."""
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens), device=model.device)
-    return _median_time(lambda: model(ids, last_only=True), model.device, warmup, reps)
+    return time_fn(lambda: model(ids, last_only=True), model.device, warmup, reps, budget_s=1.5)
 
 
 @torch.inference_mode()
-def time_decode(model: torch.nn.Module, batch: int = 1, context: int = 64, reps: int = 5, warmup: int = 2) -> float:
+def time_decode(
+    model: torch.nn.Module, batch: int = 1, context: int = 64, reps: int = 5, warmup: int = 2
+) -> float:
     """Median seconds of one decode step: ``batch`` new tokens, each after ``context`` cached ones."""
-    return _median_time(_decode_step(model, batch, context), model.device, warmup, reps)
+    return time_fn(_decode_step(model, batch, context), model.device, warmup, reps, budget_s=1.5)
 
 
 def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
@@ -95,9 +92,16 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
     of a decode step: its gap to the roofline is kernel efficiency, its gap to the real step is the rest."""
     import torch.nn.functional as F
 
-    mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n not in ("embed.weight", "lm_head.weight")]
+    mats = [
+        p
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and n not in ("embed.weight", "lm_head.weight")
+    ]
     mats.append(model.lm_head_weight)
-    xs = {k: torch.randn(batch, k, device=model.device, dtype=model.dtype) for k in {w.shape[1] for w in mats}}
+    xs = {
+        k: torch.randn(batch, k, device=model.device, dtype=model.dtype)
+        for k in {w.shape[1] for w in mats}
+    }
 
     def stream() -> None:
         for w in mats:
@@ -107,10 +111,12 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
 
 
 @torch.inference_mode()
-def time_weight_stream(model: torch.nn.Module, batch: int = 1, reps: int = 5, warmup: int = 2) -> tuple[float, int]:
+def time_weight_stream(
+    model: torch.nn.Module, batch: int = 1, reps: int = 5, warmup: int = 2
+) -> tuple[float, int]:
     """Median seconds of :func:`weight_stream`, and its bytes."""
     stream, nbytes = weight_stream(model, batch)
-    return _median_time(stream, model.device, warmup, reps), nbytes
+    return time_fn(stream, model.device, warmup, reps, budget_s=1.5), nbytes
 
 
 def _decode_step(model: torch.nn.Module, batch: int, context: int) -> Any:
@@ -128,28 +134,42 @@ def _decode_step(model: torch.nn.Module, batch: int, context: int) -> Any:
 
 
 @torch.inference_mode()
-def decode_breakdown(model: torch.nn.Module, skeleton: torch.nn.Module, context: int = 64, reps: int = 7) -> dict[str, float]:
+def decode_breakdown(
+    model: torch.nn.Module, skeleton: torch.nn.Module, context: int = 64, reps: int = 7
+) -> dict[str, float]:
     """Batch-1 decode step of ``model``, its weight matrices alone (:func:`weight_stream`), and
     ``skeleton``'s step, timed in turn within each repetition so all three see the same load on a
     shared machine; medians, plus the matrices' bytes."""
     stream, nbytes = weight_stream(model, 1)
-    fns = {"step_s": _decode_step(model, 1, context), "stream_s": stream, "overhead_s": _decode_step(skeleton, 1, context)}
+    fns = {
+        "step_s": _decode_step(model, 1, context),
+        "stream_s": stream,
+        "overhead_s": _decode_step(skeleton, 1, context),
+    }
     for fn in fns.values():
-        time_reps(fn, model.device, 2, 0)  # warm-up
+        timings(fn, model.device, warmup=2, reps=0)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            times[k] += time_reps(fn, model.device, 0, 1)
+            times[k] += timings(fn, model.device, warmup=0, reps=1)
     return {**{k: statistics.median(v) for k, v in times.items()}, "stream_bytes": float(nbytes)}
 
 
-def measure_points(model: torch.nn.Module, roof: Roof, prefill_lengths: tuple[int, ...] = (16, 64, 256),
-                   decode_batches: tuple[int, ...] = (1, 4, 16, 64), context: int = 64, reps: int = 3,
-                   label: str | None = None) -> list[Point]:
+def measure_points(
+    model: torch.nn.Module,
+    roof: Roof,
+    prefill_lengths: tuple[int, ...] = (16, 64, 256),
+    decode_batches: tuple[int, ...] = (1, 4, 16, 64),
+    context: int = 64,
+    reps: int = 3,
+    label: str | None = None,
+) -> list[Point]:
     """Time ``model``'s prefills and decode steps and set each beside the roofline's prediction on ``roof``."""
-    cfg, dt = model.config, _dtype_name(model.dtype)
+    cfg, dt = model.config, canonical(model.dtype)
     out = []
-    jobs = [("prefill", 1, t, 0) for t in prefill_lengths] + [("decode", b, 1, context) for b in decode_batches]
+    jobs = [("prefill", 1, t, 0) for t in prefill_lengths] + [
+        ("decode", b, 1, context) for b in decode_batches
+    ]
     for kind, b, t, ctx in jobs:
         ph = phase(cfg, kind, tokens=t, batch=b, context=ctx, dtype=dt, last_only=kind == "prefill")
         if kind == "prefill":
@@ -157,22 +177,52 @@ def measure_points(model: torch.nn.Module, roof: Roof, prefill_lengths: tuple[in
         else:
             sec = time_decode(model, b, ctx, reps=max(reps, 5))
         p = predict(ph, roof)
-        out.append(Point(label or cfg.name, kind, b, t, ctx, ph.flops, ph.bytes, ph.intensity, p.time, p.bound,
-                         sec, p.mfu(sec), p.mbu(sec)))
+        out.append(
+            Point(
+                label or cfg.name,
+                kind,
+                b,
+                t,
+                ctx,
+                ph.flops,
+                ph.bytes,
+                ph.intensity,
+                p.time,
+                p.bound,
+                sec,
+                p.mfu(sec),
+                p.mbu(sec),
+            )
+        )
     return out
 
 
 def overhead_model(like: ModelConfig) -> ModelConfig:
     """A model with ``like``'s depth and next to no width: its decode step is almost pure overhead."""
-    return like.replace(name=f"{like.name}-skeleton", d_model=64, n_heads=1, n_kv_heads=1, head_dim=64,
-                        ffn_dim=64, vocab_size=256)
+    return like.replace(
+        name=f"{like.name}-skeleton",
+        d_model=64,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=64,
+        ffn_dim=64,
+        vocab_size=256,
+    )
 
 
-def run(device: Any = None, quick: bool = False, model_path: str | None = None,
-        large: str = "llama-3.2-1b", large_layers: int = 2, context: int = 64,
-        prefill_lengths: tuple[int, ...] | None = None, decode_batches: tuple[int, ...] | None = None,
-        large_decode_batches: tuple[int, ...] | None = None, threads: int | None = None,
-        progress: bool = True) -> dict[str, Any]:
+def run(
+    device: Any = None,
+    quick: bool = False,
+    model_path: str | None = None,
+    large: str = "llama-3.2-1b",
+    large_layers: int = 2,
+    context: int = 64,
+    prefill_lengths: tuple[int, ...] | None = None,
+    decode_batches: tuple[int, ...] | None = None,
+    large_decode_batches: tuple[int, ...] | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Measure the machine and llmlib's model on it; return everything as plain data.
 
     ``threads`` sets ``torch.set_num_threads`` for the whole run (ceilings and model alike, so they
@@ -181,9 +231,8 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
     """
     if threads:
         torch.set_num_threads(int(threads))
+    from llmlib.checkpoints import load_model, resolve_model_path
     from llmlib.device import machine_info, pick_device
-    from llmlib.fetch import resolve_model_path
-    from llmlib.loading import load_model
     from llmlib.model import random_model
 
     dev = pick_device(device)
@@ -191,7 +240,7 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
     say("measuring the machine's ceilings ...")
     ceil = measure_machine(dev, reps=3 if quick else 5)
     model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    roof = ceil.roof(_dtype_name(model_dtype).replace("f32", "float32").replace("bf16", "bfloat16"))
+    roof = ceil.roof(canonical(model_dtype))
     prefill_lengths = prefill_lengths or ((8, 32) if quick else (8, 32, 128))
     decode_batches = decode_batches or ((1, 16) if quick else (1, 4, 16, 64))
     large_decode_batches = large_decode_batches or ((1,) if quick else (1, 8))
@@ -202,7 +251,9 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
 
     say("loading SmolLM2-135M ...")
     small = load_model(resolve_model_path(model_path), device=dev, dtype=model_dtype)
-    points = measure_points(small, roof, prefill_lengths, decode_batches, context, reps=3, label="smollm2-135m")
+    points = measure_points(
+        small, roof, prefill_lengths, decode_batches, context, reps=3, label="smollm2-135m"
+    )
     skeleton = random_model(overhead_model(small.config), device=dev, dtype=model_dtype)
     bd = decode_breakdown(small, skeleton, context, reps=5 if quick else 9)
     params = sum(p.numel() for p in small.parameters())
@@ -210,17 +261,31 @@ def run(device: Any = None, quick: bool = False, model_path: str | None = None,
 
     big_cfg = get_config(large)
     if dev.type != "cuda" and large_layers:
-        big_cfg = big_cfg.replace(n_layers=min(large_layers, big_cfg.n_layers), name=f"{big_cfg.name}-{large_layers}L")
+        big_cfg = big_cfg.replace(
+            n_layers=min(large_layers, big_cfg.n_layers), name=f"{big_cfg.name}-{large_layers}L"
+        )
     say(f"building {big_cfg.name} with random weights ...")
     big = random_model(big_cfg, device=dev, dtype=model_dtype)
-    points += measure_points(big, roof, prefill_lengths[:2] if dev.type != "cuda" else prefill_lengths,
-                             large_decode_batches, context, reps=3, label=big_cfg.name)
+    points += measure_points(
+        big,
+        roof,
+        prefill_lengths[:2] if dev.type != "cuda" else prefill_lengths,
+        large_decode_batches,
+        context,
+        reps=3,
+        label=big_cfg.name,
+    )
     del big
     return {
         "machine": machine_info(dev),
         "ceilings": ceil.as_dict(),
-        "roof": {"name": roof.name, "peak_flops": roof.peak_flops, "bandwidth": roof.bandwidth, "ridge": roof.ridge},
-        "dtype": _dtype_name(model_dtype),
+        "roof": {
+            "name": roof.name,
+            "peak_flops": roof.peak_flops,
+            "bandwidth": roof.bandwidth,
+            "ridge": roof.ridge,
+        },
+        "dtype": canonical(model_dtype),
         "threads": torch.get_num_threads(),
         "context": context,
         "overhead_s": bd["overhead_s"],
@@ -237,16 +302,29 @@ def format_report(r: dict[str, Any]) -> str:
     c = r["ceilings"]
     lines = [f"machine: {c['device_name']} ({c['device']})"]
     for d, f in c["matmul_flops"].items():
-        lines.append(f"  matmul {d:<9} {fmt_si(f, 'FLOP/s'):>14}  (median, {c['matmul_n']}x{c['matmul_n']})")
-    lines.append(f"  copy bandwidth   {fmt_si(c['bandwidth'], 'B/s'):>14}  (median, {c['copy_bytes'] >> 20} MiB buffer)")
+        lines.append(
+            f"  matmul {d:<9} {fmt_si(f, 'FLOP/s'):>14}  (median, {c['matmul_n']}x{c['matmul_n']})"
+        )
+    lines.append(
+        f"  read bandwidth   {fmt_si(c['bandwidth'], 'B/s'):>14}  (median, {c['bandwidth_bytes'] >> 20} MiB buffer)"
+    )
     lines.append(f"  torch threads: {r['threads']}")
     lines.append(f"  ridge at {r['dtype']}: {r['roof']['ridge']:.1f} FLOP/byte")
-    lines.append(f"  fixed cost of one decode step (SmolLM2's 30 layers, no width): {r['overhead_s'] * 1e3:.2f} ms")
-    lines.append(f"  SmolLM2 decode step at batch 1, timed in turn with the two below: {r['decode1_s'] * 1e3:.2f} ms")
-    lines.append(f"  SmolLM2's weight matrices alone, batch 1: {r['stream_s'] * 1e3:.2f} ms for "
-                 f"{r['stream_bytes'] / 1e6:.0f} MB ({fmt_si(r['stream_bytes'] / r['stream_s'], 'B/s')})")
+    lines.append(
+        f"  fixed cost of one decode step (SmolLM2's 30 layers, no width): {r['overhead_s'] * 1e3:.2f} ms"
+    )
+    lines.append(
+        f"  SmolLM2 decode step at batch 1, timed in turn with the two below: {r['decode1_s'] * 1e3:.2f} ms"
+    )
+    lines.append(
+        f"  SmolLM2's weight matrices alone, batch 1: {r['stream_s'] * 1e3:.2f} ms for "
+        f"{r['stream_bytes'] / 1e6:.0f} MB ({fmt_si(r['stream_bytes'] / r['stream_s'], 'B/s')})"
+    )
     lines.append("")
-    hdr = f"{'model':<18} {'phase':<8} {'B':>3} {'T':>4} {'FLOP/B':>7} {'bound':<8} {'predicted':>10} {'measured':>10} {'x':>5} {'MFU':>6} {'MBU':>6}"
+    hdr = (
+        f"{'model':<18} {'phase':<8} {'B':>3} {'T':>4} {'FLOP/B':>7} {'bound':<8} "
+        f"{'predicted':>10} {'measured':>10} {'x':>5} {'MFU':>6} {'MBU':>6}"
+    )
     lines += [hdr, "-" * len(hdr)]
     for p in r["points"]:
         lines.append(
@@ -260,16 +338,40 @@ def format_report(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmlib bench roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
-    ap.add_argument("--model", default=None, help="path to the SmolLM2 GGUF (default: the fetched one)")
-    ap.add_argument("--large", default="llama-3.2-1b", help="preset for the larger random-weight model")
-    ap.add_argument("--large-layers", type=int, default=2, help="cut the larger model to this many layers on a CPU (0: all)")
-    ap.add_argument("--context", type=int, default=64, help="cached tokens per sequence in the decode steps")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for the whole run (default: torch's choice)")
+    ap.add_argument(
+        "--model", default=None, help="path to the SmolLM2 GGUF (default: the fetched one)"
+    )
+    ap.add_argument(
+        "--large", default="llama-3.2-1b", help="preset for the larger random-weight model"
+    )
+    ap.add_argument(
+        "--large-layers",
+        type=int,
+        default=2,
+        help="cut the larger model to this many layers on a CPU (0: all)",
+    )
+    ap.add_argument(
+        "--context", type=int, default=64, help="cached tokens per sequence in the decode steps"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the whole run (default: torch's choice)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer points and repetitions")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     try:
-        r = run(args.device, args.quick, args.model, args.large, args.large_layers, args.context, threads=args.threads)
+        r = run(
+            args.device,
+            args.quick,
+            args.model,
+            args.large,
+            args.large_layers,
+            args.context,
+            threads=args.threads,
+        )
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"llmlib bench roofline: {e}", file=sys.stderr)
         return 2

@@ -19,178 +19,28 @@ The definitions are those of vLLM's ``benchmark_serving`` (Kwon et al., 2023, th
 By default it starts its own server (``llmlib serve`` in a subprocess on 127.0.0.1, a free port) and
 stops it at the end; ``--url`` points it at a server that is already running.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import os
-import random
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
-
-@dataclass
-class RequestResult:
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = float("nan")
-    latency: float = float("nan")
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation (numpy's default), without numpy."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _stats(name: str, xs: Sequence[float]) -> dict[str, float]:
-    xs = [x * 1e3 for x in xs]  # report milliseconds
-    if not xs:
-        return {f"mean_{name}_ms": float("nan"), f"median_{name}_ms": float("nan"), f"p99_{name}_ms": float("nan")}
-    return {f"mean_{name}_ms": statistics.fmean(xs), f"median_{name}_ms": statistics.median(xs),
-            f"p99_{name}_ms": percentile(xs, 99)}
-
-
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """Aggregate per-request timings into the benchmark's metrics (vLLM's definitions)."""
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    m: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration if duration > 0 else float("nan"),
-        "output_throughput": out_tokens / duration if duration > 0 else float("nan"),
-        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else float("nan"),
-    }
-    m.update(_stats("ttft", [r.ttft for r in ok]))
-    m.update(_stats("tpot", [t for r in ok if (t := r.tpot) is not None]))
-    m.update(_stats("itl", [g for r in ok for g in r.itl]))
-    m.update(_stats("e2el", [r.latency for r in ok]))
-    errors = sorted({r.error for r in results if not r.ok})
-    if errors:
-        m["errors"] = errors[:5]
-    return m
-
-
-# ---- the client -----------------------------------------------------------------------------------
-
-async def send_one(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
-    """One streaming completion; timestamps taken as each server-sent event arrives."""
-    t0 = time.perf_counter()
-    res = RequestResult(ok=False)
-    last = t0
-    pieces = 0
-    try:
-        async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=payload) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    res.error = str(obj["error"].get("message"))
-                    return res
-                if obj.get("usage"):
-                    res.prompt_tokens = int(obj["usage"]["prompt_tokens"])
-                    res.output_tokens = int(obj["usage"]["completion_tokens"])
-                choices = obj.get("choices") or []
-                if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if pieces == 0:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    pieces += 1
-        res.latency = time.perf_counter() - t0
-        if res.output_tokens == 0:
-            res.output_tokens = pieces  # a server without usage reporting: one piece per token
-        res.ok = pieces > 0
-        if not res.ok:
-            res.error = "no text streamed"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int | None = None,
-                    rate: float | None = None, seed: int = 0, timeout: float = 600.0) -> dict[str, Any]:
-    """Send every prompt once, ``concurrency`` at a time or Poisson-arriving at ``rate`` per second."""
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=max(64, (concurrency or 0) * 2), max_keepalive_connections=64)
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
-        async def task(p: str) -> RequestResult:
-            payload = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-            if sem is None:
-                return await send_one(client, url, payload)
-            async with sem:
-                return await send_one(client, url, payload)
-
-        t0 = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(task(p)))
-            if rate:
-                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    m = summarize(list(results), duration)
-    m.update({"concurrency": concurrency, "request_rate": rate, "num_prompts": len(prompts), "max_tokens": max_tokens})
-    return m
-
-
-def make_prompts(n: int, words: int = 48, seed: int = 0) -> list[str]:
-    """Prompts of about ``words`` words: passages from the Austen corpus when it is here, else filler."""
-    rng = random.Random(seed)
-    corpus = Path(__file__).resolve().parents[2] / "data" / "austen.txt"
-    toks: list[str] = []
-    if corpus.exists():
-        with open(corpus, encoding="utf-8") as f:
-            toks = f.read(400_000).split()
-    if len(toks) < words * 4:
-        toks = ("the inference path of a language model reads weights and writes tokens " * 50).split()
-    out = []
-    for _ in range(n):
-        i = rng.randrange(0, len(toks) - words)
-        out.append("Continue this passage: " + " ".join(toks[i : i + words]))
-    return out
-
+from llmlib.bench.serve_client import make_prompts, run_level
 
 # ---- the server under test -------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -202,11 +52,28 @@ class ServerProcess:
     """``llmlib serve`` in a subprocess on 127.0.0.1 and a free port (its own interpreter: no GIL shared
     with the client)."""
 
-    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
-                 max_queue: int = 512, extra: Sequence[str] = ()):
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_queue: int = 512,
+        extra: Sequence[str] = (),
+    ):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "llmlib.cli", "serve", "--port", str(self.port), "--max-queue", str(max_queue),
-               "--log-level", "warning", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmlib.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--max-queue",
+            str(max_queue),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         for flag, v in (("--model", model), ("--device", device), ("--dtype", dtype)):
             if v:
                 cmd += [flag, str(v)]
@@ -217,8 +84,10 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 180.0) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
@@ -242,7 +111,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -266,7 +135,7 @@ def _run(coro: Any) -> Any:
     def target() -> None:
         try:
             box["value"] = asyncio.run(coro)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as e:
             box["error"] = e
 
     t = threading.Thread(target=target, name="bench-serve-client")
@@ -277,13 +146,22 @@ def _run(coro: Any) -> Any:
     return box["value"]
 
 
-def sweep(url: str, concurrencies: Sequence[int] = (1, 4, 16), rates: Sequence[float] = (),
-          num_prompts: int | None = None, max_tokens: int = 32, prompt_words: int = 48, seed: int = 0,
-          quiet: bool = False) -> list[dict[str, Any]]:
+def sweep(
+    url: str,
+    concurrencies: Sequence[int] = (1, 4, 16),
+    rates: Sequence[float] = (),
+    num_prompts: int | None = None,
+    max_tokens: int = 32,
+    prompt_words: int = 48,
+    seed: int = 0,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
     """Run every level against ``url`` (after one warm-up request) and return their metrics."""
     model = served_model(url)
     _run(run_level(url, model, make_prompts(1, 8, seed), 4, concurrency=1))  # warm-up, not counted
-    levels: list[tuple[int | None, float | None]] = [(c, None) for c in concurrencies] + [(None, r) for r in rates]
+    levels: list[tuple[int | None, float | None]] = [(c, None) for c in concurrencies] + [
+        (None, r) for r in rates
+    ]
     out = []
     for c, r in levels:
         n = num_prompts or max(4, 2 * (c or int(4 * (r or 1))))
@@ -296,18 +174,25 @@ def sweep(url: str, concurrencies: Sequence[int] = (1, 4, 16), rates: Sequence[f
     return out
 
 
-HEADER = (f"{'level':>10} {'reqs':>5} {'TTFT ms':>17} {'TPOT ms':>17} {'ITL ms':>17} {'req/s':>7} {'out tok/s':>9}\n"
-          f"{'':>10} {'':>5} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8}")
+HEADER = (
+    f"{'level':>10} {'reqs':>5} {'TTFT ms':>17} {'TPOT ms':>17} {'ITL ms':>17} {'req/s':>7} {'out tok/s':>9}\n"
+    f"{'':>10} {'':>5} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8}"
+)
 
 
 def format_row(m: dict[str, Any]) -> str:
     level = f"c={m['concurrency']}" if m.get("concurrency") else f"rate={m['request_rate']}"
-    return (f"{level:>10} {m['completed']:>5} {m['median_ttft_ms']:>8.1f} {m['p99_ttft_ms']:>8.1f} "
-            f"{m['median_tpot_ms']:>8.1f} {m['p99_tpot_ms']:>8.1f} {m['median_itl_ms']:>8.1f} {m['p99_itl_ms']:>8.1f} "
-            f"{m['request_throughput']:>7.2f} {m['output_throughput']:>9.1f}" + (f"  failed={m['failed']}" if m["failed"] else ""))
+    return (
+        f"{level:>10} {m['completed']:>5} {m['median_ttft_ms']:>8.1f} {m['p99_ttft_ms']:>8.1f} "
+        f"{m['median_tpot_ms']:>8.1f} {m['p99_tpot_ms']:>8.1f} {m['median_itl_ms']:>8.1f} {m['p99_itl_ms']:>8.1f} "
+        f"{m['request_throughput']:>7.2f} {m['output_throughput']:>9.1f}"
+        + (f"  failed={m['failed']}" if m["failed"] else "")
+    )
 
 
-def plot(results: list[dict[str, Any]], path: str | os.PathLike | None = None, title: str = "") -> Any:
+def plot(
+    results: list[dict[str, Any]], path: str | os.PathLike | None = None, title: str = ""
+) -> Any:
     """Latency (TTFT, TPOT, ITL p99) and throughput against the load level: the serving trade-off."""
     import matplotlib
     import matplotlib.ticker
@@ -354,16 +239,36 @@ def _floats(s: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmlib bench serve", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
-    ap.add_argument("--model", default=None, help="model for the server it starts (default: SmolLM2)")
+    ap.add_argument(
+        "--url", default=None, help="benchmark this running server instead of starting one"
+    )
+    ap.add_argument(
+        "--model", default=None, help="model for the server it starts (default: SmolLM2)"
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels of requests in flight")
-    ap.add_argument("--rates", default="", help="comma-separated Poisson request rates (req/s) to sweep as well")
-    ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 2x the level, >= 4)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
+    ap.add_argument(
+        "--concurrency", default="1,4,16", help="comma-separated levels of requests in flight"
+    )
+    ap.add_argument(
+        "--rates", default="", help="comma-separated Poisson request rates (req/s) to sweep as well"
+    )
+    ap.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per level (default: 2x the level, >= 4)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)"
+    )
     ap.add_argument("--prompt-words", type=int, default=48, help="about how many words per prompt")
-    ap.add_argument("--threads", type=int, default=None, help="passed to the server it starts (torch CPU threads)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="passed to the server it starts (torch CPU threads)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the metrics to this file")
     ap.add_argument("--plot", default=None, help="save the figure to this file (.png)")
@@ -371,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     concs = [int(c) for c in _floats(args.concurrency)]
     rates = _floats(args.rates)
     if any(c < 1 for c in concs) or any(r <= 0 for r in rates) or not (concs or rates):
-        ap.error("--concurrency levels must be >= 1 and --rates > 0, and at least one level is needed")
+        ap.error(
+            "--concurrency levels must be >= 1 and --rates > 0, and at least one level is needed"
+        )
     if args.max_tokens < 1:
         ap.error("--max-tokens must be >= 1")
 
@@ -386,16 +293,23 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url
     try:
         print(HEADER, flush=True)
-        results = sweep(url, concs, rates, args.num_prompts, args.max_tokens, args.prompt_words, args.seed)
+        results = sweep(
+            url, concs, rates, args.num_prompts, args.max_tokens, args.prompt_words, args.seed
+        )
     finally:
         if server is not None:
             server.stop()
-    report = {"benchmark": "serve", "url": url, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-              "server_threads": args.threads,
-              "machine": machine_info(args.device),
-              "definitions": "vLLM benchmark_serving: TTFT to first text; TPOT=(latency-TTFT)/(out-1); "
-                             "ITL=gaps between streamed pieces, pooled",
-              "results": results}
+    report = {
+        "benchmark": "serve",
+        "url": url,
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        "server_threads": args.threads,
+        "machine": machine_info(args.device),
+        "definitions": "vLLM benchmark_serving: TTFT to first text; TPOT=(latency-TTFT)/(out-1); "
+        "ITL=gaps between streamed pieces, pooled",
+        "results": results,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -10,6 +10,7 @@ reproduces all of them; only the tables differ.
 Speed comes from the pre-token cache: natural text repeats its words, so almost every piece
 after the first few thousand is a dictionary hit and the merge loop never runs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,6 +19,7 @@ from typing import Literal
 
 import regex
 
+from llmlib.tokenizer.export import save_tokenizer
 from llmlib.tokenizer.pretokenize import compile_pattern, pattern_name, resolve_pattern
 
 # Above this many cached pieces the cache is dropped and rebuilt, so memory stays bounded on
@@ -26,10 +28,12 @@ _CACHE_LIMIT = 1 << 18
 
 
 @functools.lru_cache(maxsize=64)
-def _special_splitter(allowed: frozenset[str]) -> "regex.Pattern[str]":
+def _special_splitter(allowed: frozenset[str]) -> regex.Pattern[str]:
     """A regex that splits text around the allowed special tokens (longest first, so that
     ``<|a|>x`` never shadows ``<|a|>xy``), keeping them as separate parts."""
-    return regex.compile("(" + "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True)) + ")")
+    return regex.compile(
+        "(" + "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True)) + ")"
+    )
 
 
 class Tokenizer:
@@ -99,7 +103,11 @@ class Tokenizer:
         if merge_ranks is None:
             merge_ranks = {}
             for rank, (a, b) in enumerate(merges or []):
-                merged = self._bytes_to_id.get(vocab[a] + vocab[b]) if a in vocab and b in vocab else None
+                merged = (
+                    self._bytes_to_id.get(vocab[a] + vocab[b])
+                    if a in vocab and b in vocab
+                    else None
+                )
                 if merged is None:
                     raise ValueError(f"merges[{rank}]: ({a}, {b}) does not make a token in vocab")
                 merge_ranks.setdefault((a, b), (rank, merged))
@@ -167,7 +175,7 @@ class Tokenizer:
                     best_rank, best_i, best_id = hit[0], i, hit[1]
             if best_rank is None:
                 break
-            ids[best_i:best_i + 2] = [best_id]
+            ids[best_i : best_i + 2] = [best_id]
         return ids
 
     def clear_cache(self) -> None:
@@ -206,9 +214,11 @@ class Tokenizer:
                 out.extend(self.encode_ordinary(data.decode("utf-8")))
                 break
             except UnicodeDecodeError as e:
-                out.extend(self.encode_ordinary(data[:e.start].decode("utf-8")))
-                out.extend(i for i in self._byte_ids[data[e.start]:data[e.start] + 1] if i is not None)
-                data = data[e.start + 1:]
+                out.extend(self.encode_ordinary(data[: e.start].decode("utf-8")))
+                out.extend(
+                    i for i in self._byte_ids[data[e.start] : data[e.start] + 1] if i is not None
+                )
+                data = data[e.start + 1 :]
         return out
 
     def encode(
@@ -231,7 +241,9 @@ class Tokenizer:
         allowed = set(self.special_tokens) if allowed_special == "all" else set(allowed_special)
         unknown = allowed - set(self.special_tokens)
         if unknown:
-            raise ValueError(f"allowed_special: not special tokens of this tokenizer: {sorted(unknown)}")
+            raise ValueError(
+                f"allowed_special: not special tokens of this tokenizer: {sorted(unknown)}"
+            )
         if disallowed_special == "all":
             disallowed = set(self.special_tokens) - allowed
         else:
@@ -242,7 +254,8 @@ class Tokenizer:
                 raise ValueError(
                     f"text contains special token(s) {sorted(found)} that are not allowed; pass "
                     f"allowed_special={{...}} (or 'all') to encode them as special tokens, or "
-                    f"disallowed_special=() to encode them as ordinary text")
+                    f"disallowed_special=() to encode them as ordinary text"
+                )
         if not allowed:
             return self.encode_ordinary(text)
         splitter = _special_splitter(frozenset(allowed))
@@ -264,8 +277,14 @@ class Tokenizer:
                 raise IndexError
             return b"".join([table[i] for i in ids])  # type: ignore[misc]
         except (IndexError, TypeError):
-            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < len(table) or table[i] is None]
-            raise ValueError(f"ids: {bad[:5]} are not in this vocabulary (size {len(table)})") from None
+            bad = [
+                i
+                for i in ids
+                if not isinstance(i, int) or not 0 <= i < len(table) or table[i] is None
+            ]
+            raise ValueError(
+                f"ids: {bad[:5]} are not in this vocabulary (size {len(table)})"
+            ) from None
 
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
         """Decode to text; bytes that are not valid UTF-8 become U+FFFD (``errors="replace"``)."""
@@ -282,11 +301,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ files
     def save(self, path: str) -> None:
         """Write a Hugging Face ``tokenizer.json`` (loads in ``tokenizers.Tokenizer.from_file``)."""
-        from llmlib.tokenizer.formats import save_tokenizer
-
         save_tokenizer(self, path)
 
     def __repr__(self) -> str:
         pat = self.pattern_name or "custom regex"
-        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self._ranks)}, pattern={pat!r}, "
-                f"special_tokens={len(self.special_tokens)})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self._ranks)}, pattern={pat!r}, "
+            f"special_tokens={len(self.special_tokens)})"
+        )

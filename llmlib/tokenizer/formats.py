@@ -4,7 +4,7 @@ All three store the same thing (a list of byte strings with ids, and how to merg
 different clothes:
 
 - ``tokenizer.json`` and GGUF write each token's bytes as text through GPT-2's byte-to-character
-  map (:func:`~llmlib.tokenizer.train.bytes_to_unicode`: a space is ``Ġ``, a newline ``Ċ``) and
+  map (:func:`~llmlib.tokenizer.bytelevel.bytes_to_unicode`: a space is ``Ġ``, a newline ``Ċ``) and
   list the merges explicitly, ``"Ġ t"``, in rank order;
 - a ``.tiktoken`` file lists ``base64(token bytes) rank`` and no merges: the rank of a pair is
   the rank of the token it would make, whichever way it is split.
@@ -13,6 +13,7 @@ The pre-tokenizer regex lives elsewhere in each: a ``Split`` pre-tokenizer in th
 pre-tokenizer *name* (``tokenizer.ggml.pre``) in GGUF, nothing at all in ``.tiktoken`` (it is
 in tiktoken's source code, so known files are recognised by name here).
 """
+
 from __future__ import annotations
 
 import base64
@@ -23,14 +24,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmlib.tokenizer.bytelevel import byte_decoder, to_bytes
 from llmlib.tokenizer.core import Tokenizer
-from llmlib.tokenizer.pretokenize import GPT2, GPT4, LLAMA3, PATTERNS, SMOLLM2, from_onig, to_onig
-from llmlib.tokenizer.train import bytes_to_unicode
+from llmlib.tokenizer.pretokenize import GPT2, GPT4, LLAMA3, PATTERNS, SMOLLM2, from_onig
 
 # tiktoken files carry neither pattern nor special tokens; these are tiktoken's own values.
 TIKTOKEN_KNOWN: dict[str, tuple[str, dict[str, int]]] = {
-    "cl100k_base": (GPT4, {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-                           "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
+    "cl100k_base": (
+        GPT4,
+        {
+            "<|endoftext|>": 100257,
+            "<|fim_prefix|>": 100258,
+            "<|fim_middle|>": 100259,
+            "<|fim_suffix|>": 100260,
+            "<|endofprompt|>": 100276,
+        },
+    ),
     "r50k_base": (GPT2, {"<|endoftext|>": 50256}),
     "p50k_base": (GPT2, {"<|endoftext|>": 50256}),
 }
@@ -44,57 +53,6 @@ GGUF_PRE: dict[str, tuple[str, bool]] = {
     "llama-bpe": (LLAMA3, True),
     "llama3": (LLAMA3, True),
 }
-
-
-def _byte_decoder() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
-def _to_bytes(token: str, decoder: dict[str, int], where: str) -> bytes:
-    try:
-        return bytes(decoder[c] for c in token)
-    except KeyError as e:
-        raise ValueError(f"{where}: token {token!r} is not in byte-level form (character {e.args[0]!r})") from None
-
-
-def _to_str(b: bytes, encoder: dict[int, str]) -> str:
-    return "".join(encoder[x] for x in b)
-
-
-# ---------------------------------------------------------------------------------- saving
-def save_tokenizer(tok: Tokenizer, path: str | os.PathLike[str]) -> None:
-    """Write ``tok`` as a Hugging Face ``tokenizer.json`` (byte-level BPE).
-
-    The pre-tokenizer is written as ``Split(regex, Isolated)`` followed by
-    ``ByteLevel(use_regex=False)``, so ``tokenizers`` cuts the text with the same regex and
-    only then maps bytes to characters, exactly our order of work. The regex is rewritten where
-    Oniguruma (the engine inside ``tokenizers``) would read it differently (:func:`to_onig`).
-    """
-    path = Path(path)
-    if path.suffix != ".json":
-        raise ValueError(f"path: can only save tokenizer.json files (a .json path), got {str(path)!r}")
-    enc = bytes_to_unicode()
-    vocab = {_to_str(b, enc): i for i, b in sorted(tok.vocab().items())}
-    merges = [f"{_to_str(tok.id_to_bytes(a), enc)} {_to_str(tok.id_to_bytes(b), enc)}" for a, b in tok.merge_list()]
-    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])]
-    data: dict[str, Any] = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": to_onig(tok.pattern)}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        ]},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": tok.ignore_merges, "vocab": vocab, "merges": merges},
-    }
-    path.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -123,18 +81,23 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
         return load_tiktoken(p, **kwargs)
     if suffix == ".gguf":
         return load_gguf(p, **kwargs)
-    raise ValueError(f"{str(p)!r}: unknown tokenizer file format (expected tokenizer.json, *.tiktoken or *.gguf)")
+    raise ValueError(
+        f"{str(p)!r}: unknown tokenizer file format (expected tokenizer.json, *.tiktoken or *.gguf)"
+    )
 
 
 def _hf_pattern(pre: Any, where: str) -> str:
     """The single regex equivalent to a supported Hugging Face byte-level pre-tokenizer."""
+
     def bytelevel(d: dict[str, Any]) -> bool:
         if d.get("add_prefix_space"):
             raise ValueError(f"{where}: ByteLevel(add_prefix_space=True) is not supported")
         return bool(d.get("use_regex", True))
 
     if not isinstance(pre, dict):
-        raise ValueError(f"{where}: pre_tokenizer missing; only byte-level BPE tokenizers are supported")
+        raise ValueError(
+            f"{where}: pre_tokenizer missing; only byte-level BPE tokenizers are supported"
+        )
     kind = pre.get("type")
     if kind == "ByteLevel" and bytelevel(pre):
         return GPT2
@@ -145,9 +108,15 @@ def _hf_pattern(pre: Any, where: str) -> str:
             split = items[0]
             pat = split.get("pattern", {})
             if split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in pat:
-                raise ValueError(f"{where}: only Split(Regex, behavior='Isolated') is supported, got {split}")
+                raise ValueError(
+                    f"{where}: only Split(Regex, behavior='Isolated') is supported, got {split}"
+                )
             return from_onig(pat["Regex"])
-        if kinds == ["Digits", "ByteLevel"] and items[0].get("individual_digits") and bytelevel(items[1]):
+        if (
+            kinds == ["Digits", "ByteLevel"]
+            and items[0].get("individual_digits")
+            and bytelevel(items[1])
+        ):
             return SMOLLM2
     raise ValueError(f"{where}: unsupported pre_tokenizer {json.dumps(pre)[:200]}")
 
@@ -165,24 +134,36 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ValueError(f"{str(p)!r}: not a tokenizer.json (no 'model' object)")
     model = data["model"]
-    if model.get("type", "BPE") != "BPE" or "merges" not in model or not isinstance(model.get("vocab"), dict):
-        raise ValueError(f"{str(p)!r}: model type {model.get('type')!r} is not supported (byte-level BPE only)")
+    if (
+        model.get("type", "BPE") != "BPE"
+        or "merges" not in model
+        or not isinstance(model.get("vocab"), dict)
+    ):
+        raise ValueError(
+            f"{str(p)!r}: model type {model.get('type')!r} is not supported (byte-level BPE only)"
+        )
     if data.get("normalizer") is not None:
         raise ValueError(f"{str(p)!r}: tokenizers with a normalizer are not supported")
     pattern = _hf_pattern(data.get("pre_tokenizer"), str(p))
 
-    dec = _byte_decoder()
+    dec = byte_decoder()
     specials = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
     special_ids = set(specials.values())
-    vocab = {int(i): _to_bytes(s, dec, str(p)) for s, i in model["vocab"].items() if int(i) not in special_ids}
+    vocab = {
+        int(i): to_bytes(s, dec, str(p))
+        for s, i in model["vocab"].items()
+        if int(i) not in special_ids
+    }
     ids = {b: i for i, b in vocab.items()}
     merges = []
     for k, m in enumerate(model["merges"]):
         left, right = m.split(" ") if isinstance(m, str) else m
         try:
-            merges.append((ids[_to_bytes(left, dec, str(p))], ids[_to_bytes(right, dec, str(p))]))
+            merges.append((ids[to_bytes(left, dec, str(p))], ids[to_bytes(right, dec, str(p))]))
         except KeyError:
-            raise ValueError(f"{str(p)!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
+            raise ValueError(
+                f"{str(p)!r}: merges[{k}] = {m!r} names a token that is not in the vocab"
+            ) from None
 
     bos = eos = template = None
     add_bos = False
@@ -198,12 +179,25 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
         bos, eos = tid("bos_token"), tid("eos_token")
         template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
         add_bos = bool(cfg.get("add_bos_token", False))
-    return Tokenizer(vocab, merges, pattern, specials, ignore_merges=bool(model.get("ignore_merges")),
-                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name, add_bos=add_bos)
+    return Tokenizer(
+        vocab,
+        merges,
+        pattern,
+        specials,
+        ignore_merges=bool(model.get("ignore_merges")),
+        bos_id=bos,
+        eos_id=eos,
+        chat_template=template,
+        name=p.name,
+        add_bos=add_bos,
+    )
 
 
-def load_tiktoken(path: str | os.PathLike[str], pattern: str | None = None,
-                  special_tokens: dict[str, int] | None = None) -> Tokenizer:
+def load_tiktoken(
+    path: str | os.PathLike[str],
+    pattern: str | None = None,
+    special_tokens: dict[str, int] | None = None,
+) -> Tokenizer:
     """Read a tiktoken rank file (``base64(token) rank`` per line); ids are the ranks.
 
     tiktoken's own encodings (cl100k_base, r50k_base, p50k_base) are recognised by file name and
@@ -225,7 +219,9 @@ def load_tiktoken(path: str | os.PathLike[str], pattern: str | None = None,
                 tok_b64, rank = line.split()
                 vocab[int(rank)] = base64.b64decode(tok_b64, validate=True)
             except (ValueError, binascii.Error):
-                raise ValueError(f"{str(p)!r} line {n}: expected 'base64-token rank', got {line[:60]!r}") from None
+                raise ValueError(
+                    f"{str(p)!r} line {n}: expected 'base64-token rank', got {line[:60]!r}"
+                ) from None
     if not vocab:
         raise ValueError(f"{str(p)!r}: empty tiktoken file")
     ranks = {b: i for i, b in vocab.items()}
@@ -236,14 +232,22 @@ def load_tiktoken(path: str | os.PathLike[str], pattern: str | None = None,
             left, right = ranks.get(b[:k]), ranks.get(b[k:])
             if left is not None and right is not None:
                 table[(left, right)] = (r, r)
-    return Tokenizer(vocab, None, pattern, special_tokens, ignore_merges=True, merge_ranks=table,
-                     eos_id=special_tokens.get("<|endoftext|>"), name=p.stem)
+    return Tokenizer(
+        vocab,
+        None,
+        pattern,
+        special_tokens,
+        ignore_merges=True,
+        merge_ranks=table,
+        eos_id=special_tokens.get("<|endoftext|>"),
+        name=p.stem,
+    )
 
 
 def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """Read the tokenizer stored in a GGUF model file's metadata (llama.cpp's "gpt2" BPE type).
 
-    The header is parsed by :mod:`llmlib.gguf_file` (a fraction of a second for SmolLM2's 49,152
+    The header is parsed by :mod:`llmlib.checkpoints.gguf_file` (a fraction of a second for SmolLM2's 49,152
     tokens and 48,900 merges). Tokens are byte-level strings like in tokenizer.json; control and
     user-defined tokens (token_type 3 and 4) are the special tokens. The parsed fields are cached
     per file, since notebooks and tests open the same file many times.
@@ -251,15 +255,26 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     p = Path(path)
     st = p.stat()
     vocab, merges, specials, pre, bos, eos, template, add_bos = _read_gguf_tokenizer(
-        str(p.resolve()), st.st_mtime_ns, st.st_size)
+        str(p.resolve()), st.st_mtime_ns, st.st_size
+    )
     pattern, ignore_merges = GGUF_PRE[pre]
-    return Tokenizer(vocab, merges, pattern, specials, ignore_merges=ignore_merges,
-                     bos_id=bos, eos_id=eos, chat_template=template, name=p.name, add_bos=add_bos)
+    return Tokenizer(
+        vocab,
+        merges,
+        pattern,
+        specials,
+        ignore_merges=ignore_merges,
+        bos_id=bos,
+        eos_id=eos,
+        chat_template=template,
+        name=p.name,
+        add_bos=add_bos,
+    )
 
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
-    from llmlib.gguf_file import GGUFFormatError, read_gguf_file
+    from llmlib.checkpoints.gguf_file import GGUFFormatError, read_gguf_file
 
     try:
         meta = read_gguf_file(path).metadata
@@ -273,7 +288,9 @@ def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
     if kind is None:
         raise ValueError(f"{path!r}: GGUF file has no tokenizer (tokenizer.ggml.model missing)")
     if kind != "gpt2":
-        raise ValueError(f"{path!r}: GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise ValueError(
+            f"{path!r}: GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only)"
+        )
     pre = field("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE:
         raise ValueError(f"{path!r}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE)}")
@@ -283,25 +300,41 @@ def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
     if len(types) != len(tokens):
         raise ValueError(f"{path!r}: {len(tokens)} tokens but {len(types)} token types")
 
-    dec = _byte_decoder()
+    dec = byte_decoder()
     vocab: dict[int, bytes] = {}
     specials: dict[str, int] = {}
     for i, (t, ty) in enumerate(zip(tokens, types)):
         if ty in (3, 4):  # CONTROL, USER_DEFINED
             specials[t] = i
         else:
-            vocab[i] = _to_bytes(t, dec, f"{path!r} token {i}")
+            vocab[i] = to_bytes(t, dec, f"{path!r} token {i}")
     ids = {b: i for i, b in vocab.items()}
     merges = []
     for k, m in enumerate(merges_txt):
         left, _, right = m.partition(" ")
         try:
-            merges.append((ids[_to_bytes(left, dec, path)], ids[_to_bytes(right, dec, path)]))
+            merges.append((ids[to_bytes(left, dec, path)], ids[to_bytes(right, dec, path)]))
         except KeyError:
-            raise ValueError(f"{path!r}: merges[{k}] = {m!r} names a token that is not in the vocab") from None
+            raise ValueError(
+                f"{path!r}: merges[{k}] = {m!r} names a token that is not in the vocab"
+            ) from None
     bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
-    return (vocab, merges, specials, pre, None if bos is None else int(bos), None if eos is None else int(eos),
-            field("tokenizer.chat_template"), bool(field("tokenizer.ggml.add_bos_token", False)))
+    return (
+        vocab,
+        merges,
+        specials,
+        pre,
+        None if bos is None else int(bos),
+        None if eos is None else int(eos),
+        field("tokenizer.chat_template"),
+        bool(field("tokenizer.ggml.add_bos_token", False)),
+    )
 
 
-__all__ = ["load_tokenizer", "save_tokenizer", "load_hf_json", "load_tiktoken", "load_gguf", "PATTERNS"]
+__all__ = [
+    "PATTERNS",
+    "load_gguf",
+    "load_hf_json",
+    "load_tiktoken",
+    "load_tokenizer",
+]

@@ -8,6 +8,7 @@ keeps a word's leading space (``" the"`` is one piece). Every modern byte-level 
 The patterns use the third-party ``regex`` module (Unicode classes like ``\\p{L}`` and possessive
 quantifiers), the same dialect tiktoken and llama.cpp use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,12 +21,16 @@ GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S
 # cl100k_base (GPT-3.5/GPT-4), exactly as tiktoken ships it: case-insensitive contractions,
 # a word may start with one punctuation mark, numbers in groups of at most three digits,
 # newlines kept apart from other whitespace.
-GPT4 = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-        r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+GPT4 = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
 
 # Llama 3: the cl100k idea written without possessive quantifiers (as in Meta's tokenizer.json).
-LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-          r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3 = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # SmolLM2: Hugging Face's pre-tokenizer is Sequence[Digits(individual_digits=True), ByteLevel],
 # i.e. every digit is cut out on its own *first*, then the GPT-2 pattern runs on the text between
@@ -48,8 +53,10 @@ PATTERNS: dict[str, str] = {
 def resolve_pattern(pattern: str) -> str:
     """A pattern name from :data:`PATTERNS` or a regex string -> the regex string."""
     if not isinstance(pattern, str) or not pattern:
-        raise TypeError(f"pattern must be a non-empty str (a name in {sorted(PATTERNS)} or a regex), "
-                        f"got {pattern!r}")
+        raise TypeError(
+            f"pattern must be a non-empty str (a name in {sorted(PATTERNS)} or a regex), "
+            f"got {pattern!r}"
+        )
     return PATTERNS.get(pattern, pattern)
 
 
@@ -64,12 +71,16 @@ def pattern_name(regex_str: str) -> str | None:
 # Hugging Face ``tokenizers`` runs patterns with Oniguruma in Ruby syntax, where ``X{1,3}+``
 # is not possessive but means "(X{1,3}) one or more times" -- it would glue "1814" back into one
 # piece. An atomic group says the same thing in both dialects.
-_POSSESSIVE_INTERVAL = regex.compile(r"(\\p\{\w+\}|\\[a-zA-Z]|\.|\[(?:\\.|[^\]\\])*\])(\{\d+(?:,\d*)?\})\+")
+_POSSESSIVE_INTERVAL = regex.compile(
+    r"(\\p\{\w+\}|\\[a-zA-Z]|\.|\[(?:\\.|[^\]\\])*\])(\{\d+(?:,\d*)?\})\+"
+)
 
 
 def to_onig(pattern: str) -> str:
     """Rewrite a pattern so Oniguruma (``tokenizers``) reads it as ``regex`` does."""
-    return _POSSESSIVE_INTERVAL.sub(lambda m: f"(?>{m.group(1)}{m.group(2)})", resolve_pattern(pattern))
+    return _POSSESSIVE_INTERVAL.sub(
+        lambda m: f"(?>{m.group(1)}{m.group(2)})", resolve_pattern(pattern)
+    )
 
 
 def from_onig(pattern: str) -> str:
@@ -81,7 +92,7 @@ def from_onig(pattern: str) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def compile_pattern(pattern: str) -> "regex.Pattern[str]":
+def compile_pattern(pattern: str) -> regex.Pattern[str]:
     """Compile (once) a pattern name or regex string; a bad regex is a ValueError."""
     pat = resolve_pattern(pattern)
     try:

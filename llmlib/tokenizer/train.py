@@ -20,6 +20,7 @@ by creation; the 256 byte tokens come before all merges, ordered by the printabl
 that stands for each byte in the GPT-2 byte-level alphabet (the order Hugging Face
 ``tokenizers`` uses for its initial alphabet). So llmlib and ``tokenizers`` pick the same merges.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -28,25 +29,9 @@ from collections.abc import Iterable
 
 from tqdm import tqdm  # the plain text bar: works in terminals and in executed notebooks alike
 
+from llmlib.tokenizer.bytelevel import bytes_to_unicode
 from llmlib.tokenizer.core import Tokenizer
 from llmlib.tokenizer.pretokenize import compile_pattern
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character (``0x20 -> 'Ġ'``, ``0x0a -> 'Ċ'``).
-
-    Printable Latin-1 bytes stand for themselves; the other 68 are shifted to U+0100 onwards. It
-    lets ``tokenizer.json`` and GGUF files store arbitrary bytes as ordinary strings.
-    """
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
 
 
 def count_pretokens(text_or_iterable: str | Iterable[str], pattern: str = "gpt4") -> Counter[str]:
@@ -54,8 +39,12 @@ def count_pretokens(text_or_iterable: str | Iterable[str], pattern: str = "gpt4"
     rx = compile_pattern(pattern)
     if isinstance(text_or_iterable, str):
         return Counter(rx.findall(text_or_iterable))
-    if isinstance(text_or_iterable, (bytes, bytearray)) or not isinstance(text_or_iterable, Iterable):
-        raise TypeError(f"text must be a str or an iterable of str, got {type(text_or_iterable).__name__}")
+    if isinstance(text_or_iterable, (bytes, bytearray)) or not isinstance(
+        text_or_iterable, Iterable
+    ):
+        raise TypeError(
+            f"text must be a str or an iterable of str, got {type(text_or_iterable).__name__}"
+        )
     counts: Counter[str] = Counter()
     for k, chunk in enumerate(text_or_iterable):
         if not isinstance(chunk, str):
@@ -94,8 +83,10 @@ def train_bpe(
     if len(set(special_tokens)) != len(special_tokens):
         raise ValueError(f"special_tokens has duplicates: {special_tokens}")
     if vocab_size < 256 + len(special_tokens):
-        raise ValueError(f"vocab_size must be at least 256 (the byte tokens) + {len(special_tokens)} "
-                         f"special tokens = {256 + len(special_tokens)}, got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least 256 (the byte tokens) + {len(special_tokens)} "
+            f"special tokens = {256 + len(special_tokens)}, got {vocab_size}"
+        )
     if not isinstance(min_frequency, int) or min_frequency < 1:
         raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
 
@@ -146,7 +137,9 @@ def learn_merges(
 
     merges: list[tuple[int, int]] = []
     # at most one redraw a second: an executed notebook keeps every redraw of the bar
-    bar = tqdm(total=num_merges, desc="BPE merges", unit="merge", disable=not progress, mininterval=1.0)
+    bar = tqdm(
+        total=num_merges, desc="BPE merges", unit="merge", disable=not progress, mininterval=1.0
+    )
     while len(merges) < num_merges and heap:
         negc, _, _, a, b = heapq.heappop(heap)
         pair = (a, b)

@@ -1,0 +1,140 @@
+"""From a checkpoint on disk to a :class:`llmlib.model.Transformer` holding exactly its weights.
+
+:func:`load_model` is the one door: it reads the file with the reader for its kind (a Hugging Face
+folder, :mod:`llmlib.checkpoints.hf`; a ``.gguf`` file, :mod:`llmlib.checkpoints.gguf`), each of
+which hands back a config and a state dict in llmlib's names, and :func:`build_model` checks that
+state dict against the one shape table (:func:`llmlib.shapes.param_shapes`) before the model sees
+it. A mistake is a ``ValueError`` naming the tensor (in the checkpoint's own naming where the reader
+gives one) or the field, never a model with some weights silently left at random. Only
+``safetensors`` and ``gguf`` are read: never pickle.
+
+The model is first built on PyTorch's ``meta`` device (shapes, no memory, no random init), then
+handed the checkpoint's tensors on the target device and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmlib.config import ModelConfig
+from llmlib.device import choose
+from llmlib.linear import prepare_cpu_weights
+from llmlib.model import Transformer
+from llmlib.shapes import param_shapes
+
+
+def read_checkpoint(
+    path: str | Path,
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Callable[[str], str]]:
+    """``(config, state dict in llmlib's names, llmlib name -> the checkpoint's name)`` of a file or folder."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    if path.suffix == ".gguf":
+        from llmlib.checkpoints.gguf import gguf_name, read_gguf
+
+        cfg, state = read_gguf(path)
+        return cfg, state, lambda k: f"{k} (GGUF {gguf_name(k)})"
+    if path.is_dir():
+        from llmlib.checkpoints.hf import read_hf_folder
+
+        cfg, state = read_hf_folder(path)
+        return cfg, state, str
+    raise ValueError(
+        f"{path} is neither a .gguf file nor a folder with config.json and safetensors"
+    )
+
+
+def load_tokenizer_for(path: str | Path, required: bool = True) -> Any:
+    """The tokenizer that goes with a model: the one inside a ``.gguf`` file, or a folder's
+    ``tokenizer.json`` (or ``*.tiktoken``). ``required=False`` returns None for a folder with
+    weights only (the engine then takes prompts as token ids)."""
+    from llmlib.tokenizer import load_tokenizer
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return load_tokenizer(path)
+    for cand in [path / "tokenizer.json", *sorted(path.glob("*.tiktoken"))]:
+        if cand.exists():
+            return load_tokenizer(cand)
+    if required:
+        raise FileNotFoundError(f"no tokenizer.json or *.tiktoken in {path}")
+    return None
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> Transformer:
+    """Load a Hugging Face folder or a ``.gguf`` file as a :class:`Transformer` in eval mode.
+
+    Defaults: CUDA and bfloat16 when a GPU is visible, else the CPU and float32
+    (:func:`llmlib.device.choose`).
+    """
+    cfg, state, name_of = read_checkpoint(path)
+    try:
+        return build_model(cfg, state, device, dtype, name_of=name_of)
+    except ValueError as e:
+        raise ValueError(f"{Path(path).name}: {e}") from None
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    name_of: Callable[[str], str] = str,
+) -> Transformer:
+    """Check ``state`` (llmlib names) against ``cfg`` and return a model holding exactly those weights."""
+    place = choose(device, dtype)
+    check_state_dict(cfg, state, name_of)
+    model = Transformer(cfg, device="meta")
+    # Hand the checkpoint's own tensors to the model (assign=True) instead of allocating and copying:
+    # on this kind of machine first-touching half a gigabyte of fresh memory costs seconds.
+    # The pre-load hooks concatenate q/k/v and gate/up into their fused matrices on the way in.
+    state = {k: v.to(device=place.device, dtype=place.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope.reset(place.device)  # the cos/sin tables are derived from the config, never loaded
+    model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
+    prepare_cpu_weights(model)  # CPU only: decode and batch layouts (llmlib.linear)
+    return model.eval()
+
+
+def check_state_dict(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], name_of: Callable[[str], str] = str
+) -> None:
+    """Raise ``ValueError`` naming the first missing, extra, misshapen or non-float tensor.
+
+    ``name_of`` turns an llmlib name into what the checkpoint calls it, for the message.
+    """
+    want = param_shapes(cfg)
+    missing = [k for k in want if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"checkpoint is missing tensor {name_of(missing[0])!r}{more} required by the config"
+        )
+    extra = [k for k in state if k not in want]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(
+            f"checkpoint has unexpected tensor {extra[0]!r}{more}: no place for it in this config"
+        )
+    for k, shape in want.items():
+        t = state[k]
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"tensor {name_of(k)!r} has shape {tuple(t.shape)} but the config implies {shape} "
+                f"(d_model={cfg.d_model}, n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}, "
+                f"head_dim={cfg.head_dim}, ffn_dim={cfg.ffn_dim}, vocab_size={cfg.vocab_size})"
+            )
+        if not t.dtype.is_floating_point:
+            raise ValueError(
+                f"tensor {name_of(k)!r} has dtype {t.dtype}; expected floating point weights"
+            )

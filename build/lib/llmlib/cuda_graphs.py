@@ -1,0 +1,216 @@
+"""CUDA graphs for the decode step: one launch instead of hundreds.
+
+A decode step of a small model is a few hundred tiny kernels (norms, projections, RoPE,
+attention, the FFN, per layer). On a GPU each launch costs the CPU a few microseconds, and at
+batch 1 the kernels themselves are so short that the GPU spends much of its time waiting for
+Python to queue the next one. A CUDA graph records the whole step once and replays it with a
+single launch, so the step costs what the GPU work costs.
+
+A graph replays exactly the recorded kernels on exactly the recorded memory. So everything the
+step touches must live at a fixed address and have a fixed shape: the input ids and positions go
+into static buffers (copied in before each replay), the KV cache is preallocated
+(:class:`StaticKVCache`, written with ``scatter_`` at the positions, so no Python-side length
+decides a shape), and one graph is captured per batch size (a smaller batch is padded up to the
+next captured size).
+
+On the CPU there is nothing to capture: :class:`GraphedDecoder` then calls the model directly,
+which is the same code path the tests exercise. :func:`compile_step` is the other route,
+``torch.compile(mode="reduce-overhead")``, which captures graphs behind the compiler's back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from llmlib.config import ModelConfig
+
+
+class StaticKVCache:
+    """A preallocated KV cache that a CUDA graph can capture: fixed addresses, no host syncs.
+
+    ``k`` and ``v`` are ``[layers, max_batch, kv_heads, max_len, head_dim]``. ``update`` writes
+    the new keys and values at their positions with ``scatter_`` and returns the whole row of
+    slots with a mask that lets each query see the slots at or before its own position, so an
+    unwritten slot is never attended to. It implements the model's cache contract,
+    ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_batch: int,
+        max_len: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        if max_batch < 1 or max_len < 1:
+            raise ValueError(
+                f"StaticKVCache: max_batch ({max_batch}) and max_len ({max_len}) must be >= 1"
+            )
+        shape = (cfg.n_layers, max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_batch, self.max_len = max_batch, max_len
+        self._slots = torch.arange(max_len, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        b, hkv, t, hd = k.shape
+        idx = positions[:, None, :, None].expand(b, hkv, t, hd)
+        k_all, v_all = self.k[layer, :b], self.v[layer, :b]  # views: writes land in the cache
+        k_all.scatter_(2, idx, k.to(k_all.dtype))
+        v_all.scatter_(2, idx, v.to(v_all.dtype))
+        mask = self._slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        return k_all, v_all, mask
+
+
+def _default_enabled(model: torch.nn.Module) -> bool:
+    try:
+        return next(model.parameters()).device.type == "cuda"
+    except StopIteration:
+        return False
+
+
+class GraphedDecoder:
+    """One decode step, ``logits = dec(ids[B, 1], positions[B, 1])``, replayed from CUDA graphs.
+
+    ``batch_sizes`` are the sizes to capture (a batch of 3 runs in the graph for 4, its spare row
+    fed token 0 at position 0 and thrown away). With ``enabled=False`` (the default off CUDA) it
+    simply calls ``model(ids, positions, cache)``: the same results, without the launch savings.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticKVCache,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8),
+        enabled: bool | None = None,
+        warmup: int = 3,
+    ):
+        self.model, self.cache = model, cache
+        self.enabled = _default_enabled(model) if enabled is None else bool(enabled)
+        self.batch_sizes = sorted({int(b) for b in batch_sizes})
+        if (
+            not self.batch_sizes
+            or self.batch_sizes[0] < 1
+            or self.batch_sizes[-1] > cache.max_batch
+        ):
+            raise ValueError(
+                f"batch_sizes {list(batch_sizes)} must lie in 1..cache.max_batch ({cache.max_batch})"
+            )
+        self.warmup = warmup
+        self.graphs: dict[int, Any] = {}
+        self._io: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> GraphedDecoder:
+        """Record one graph per batch size (CUDA only; a no-op when disabled)."""
+        if not self.enabled:
+            return self
+        dev = self.cache.k.device
+        pool = torch.cuda.graph_pool_handle()  # all sizes share one memory pool
+        for bs in sorted(self.batch_sizes, reverse=True):  # largest first: the pool fits all
+            ids = torch.zeros(bs, 1, dtype=torch.long, device=dev)
+            pos = torch.zeros(bs, 1, dtype=torch.long, device=dev)
+            # Warm up on a side stream, as PyTorch asks: lazy initialisation (cuBLAS handles,
+            # autotuning) must not happen inside the capture.
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.model(ids, pos, self.cache)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(ids, pos, self.cache)
+            self.graphs[bs], self._io[bs] = graph, (ids, pos, out)
+        torch.cuda.synchronize(dev)
+        return self
+
+    def _size_for(self, b: int) -> int:
+        for bs in self.batch_sizes:
+            if bs >= b:
+                return bs
+        raise ValueError(
+            f"batch of {b} is larger than the largest captured size {self.batch_sizes[-1]}"
+        )
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] != 1 or positions.shape != ids.shape:
+            raise ValueError(
+                f"decode step takes ids and positions of shape [B, 1]; got {tuple(ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if not self.enabled or not self.graphs:
+            return self.model(ids, positions, self.cache)
+        b = ids.shape[0]
+        bs = self._size_for(b)
+        s_ids, s_pos, out = self._io[bs]
+        s_ids[:b].copy_(ids)
+        s_pos[:b].copy_(positions)
+        if bs > b:
+            s_ids[b:].zero_()
+            s_pos[b:].zero_()
+        self.graphs[bs].replay()
+        return out[:b]
+
+
+def compile_step(
+    fn: Callable[..., Any], mode: str = "reduce-overhead", enabled: bool | None = None
+) -> Callable[..., Any]:
+    """``torch.compile`` a step function on CUDA (graphs captured by the compiler); identity on the CPU.
+
+    Compiling on this book's CPU would cost minutes of compile time for a few percent, so the
+    default is to pass ``fn`` through unchanged there.
+    """
+    if enabled is None:
+        enabled = torch.cuda.is_available()
+    return torch.compile(fn, mode=mode) if enabled else fn
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    use_graphs: bool | None = None,
+    batch_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Greedy generation of ``max_new_tokens`` for a batch of equal-length prompts ``[B, T]``.
+
+    The tight loop of the batch-1 benchmarks: prefill once (eagerly), then one decode step per
+    token, graph-replayed on CUDA. The next token never leaves the GPU inside the loop (no
+    ``.item()``), so the CPU can run ahead of the GPU. Returns the new tokens ``[B, max_new_tokens]``.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise ValueError(
+            f"prompt must be a LongTensor [B, T] with T >= 1, got shape {tuple(prompt.shape)}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    b, t = prompt.shape
+    dev = prompt.device
+    dtype = next(model.parameters()).dtype
+    sizes = tuple(batch_sizes or (b,))
+    cache = StaticKVCache(model.config, max(b, *sizes), t + max_new_tokens, device=dev, dtype=dtype)
+    dec = GraphedDecoder(model, cache, sizes, enabled=use_graphs)
+    dec.capture()  # before the prefill: the warm-up writes slot 0, which the prefill then overwrites
+    positions = torch.arange(t, device=dev).expand(b, t)
+    logits = model(prompt, positions, cache)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    out = torch.empty(b, max_new_tokens, dtype=torch.long, device=dev)
+    out[:, :1] = nxt
+    pos = torch.full((b, 1), t, dtype=torch.long, device=dev)
+    for i in range(1, max_new_tokens):
+        logits = dec(nxt, pos)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out[:, i : i + 1] = nxt
+        pos += 1
+    return out

@@ -1,0 +1,217 @@
+"""Device and dtype, chosen once at load, and honest timing on whichever device that is.
+
+The CPU path and the GPU path are the same code; what differs is where the tensors live and
+which floating-point format they use. On a CUDA GPU we want bfloat16: it halves the bytes every
+decode step has to read (decode is bound by memory bandwidth, chapter 9) and keeps float32's
+exponent range, so nothing overflows. On a CPU, float32: most CPUs have no fast bfloat16 matrix
+units, and converting back and forth costs more than it saves.
+
+Timing a GPU is a trap: kernels are queued asynchronously, so a wall clock read right after a
+call measures the queueing, not the work. :class:`Timer` synchronises (or uses CUDA events) so
+the number is the work.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from llmlib.dtypes import torch_dtype
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """``None`` means CUDA when a GPU is visible, else the CPU; anything else is checked and used.
+
+    Asking for CUDA on a machine without it is an error rather than a silent fallback: a
+    benchmark that quietly ran on the CPU would report the wrong machine.
+    """
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device: {device!r} is not a device name (try 'cpu', 'cuda' or 'cuda:1')"
+        ) from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device: {device!r} was asked for, but torch sees no CUDA GPU on this machine"
+        )
+    if dev.type == "mps" and not (
+        hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    ):
+        raise ValueError(f"device: {device!r} was asked for, but MPS is not available")
+    return dev
+
+
+def pick_dtype(device: str | torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted
+    (:mod:`llmlib.dtypes` is the one table of names)."""
+    dev = torch.device(device)
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return torch_dtype(dtype)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model runs and in which format: the one decision every later stage inherits."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __str__(self) -> str:
+        return f"{self.device} / {str(self.dtype).removeprefix('torch.')}"
+
+
+def choose(
+    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+) -> Placement:
+    """Resolve a (device, dtype) request into a :class:`Placement` (defaults: CUDA+bf16, else CPU+fp32)."""
+    dev = pick_device(device)
+    return Placement(dev, pick_dtype(dev, dtype))
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    """Wait until queued work on ``device`` is done (a no-op on the CPU, where calls are synchronous)."""
+    dev = torch.device(device) if device is not None else None
+    if (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda"):
+        torch.cuda.synchronize(dev)
+
+
+class Timer:
+    """``with Timer(device) as t: ...`` then ``t.seconds``: wall time of the work, not of the queueing.
+
+    On CUDA it records CUDA events around the block and synchronises on exit; elsewhere it reads
+    ``time.perf_counter``.
+    """
+
+    def __init__(self, device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seconds = float("nan")
+
+    def __enter__(self) -> Timer:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+def timings(
+    fn: Callable[[], Any],
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    reps: int = 5,
+    *,
+    before: Callable[[], Any] | None = None,
+    budget_s: float | None = None,
+) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn()`` after ``warmup`` untimed ones: the one timer.
+
+    ``before`` runs untimed ahead of every run (to clear a cache, say). With ``budget_s``, a slow
+    ``fn`` gets fewer runs (never fewer than 3) so the whole measurement takes about that long.
+    On CUDA each run is timed with events and a synchronisation (:class:`Timer`).
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    n = max(0, reps)
+    i = 0
+    while i < n:
+        if before is not None:
+            before()
+        with Timer(device) as t:
+            fn()
+        times.append(t.seconds)
+        if i == 0 and budget_s is not None:
+            n = max(min(3, reps), min(reps, int(budget_s / max(t.seconds, 1e-9))))
+        i += 1
+    return times
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: str | torch.device | None = None,
+    warmup: int = 2,
+    reps: int = 5,
+    **kw: Any,
+) -> float:
+    """Median seconds of ``fn()`` (see :func:`timings`).
+
+    The median, not the mean: these machines are shared, and one stalled run should not move
+    the figure.
+    """
+    return statistics.median(timings(fn, device, warmup, max(1, reps), **kw))
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """A human name for the machine that ran the numbers: the GPU's name or the CPU model."""
+    dev = pick_device(device) if device is None else torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | torch.device | None = None) -> dict[str, Any]:
+    """Everything a recorded benchmark should carry about where and when it ran."""
+    dev = pick_device(device) if device is None else torch.device(device)
+    info: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info.update(
+            {
+                "cuda": torch.version.cuda,
+                "gpu_memory_bytes": int(props.total_memory),
+                "gpu_sm_count": int(props.multi_processor_count),
+                "gpu_capability": f"{props.major}.{props.minor}",
+            }
+        )
+    return info

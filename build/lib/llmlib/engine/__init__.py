@@ -1,0 +1,26 @@
+"""The batching engine (chapter 10): continuous batching over a paged KV cache.
+
+* :mod:`~llmlib.engine.sequence` — one request as the scheduler sees it;
+* :mod:`~llmlib.engine.block_manager` — which KV blocks each sequence owns, and prefix sharing;
+* :mod:`~llmlib.engine.scheduler` — which sequences run in the next step, and how many tokens each;
+* :mod:`~llmlib.engine.paged_cache` — the block pools, and the cache view of one forward pass;
+* :mod:`~llmlib.engine.graphs` — fixed-shape decode steps, replayed from CUDA graphs on a GPU;
+* :mod:`~llmlib.engine.runner` — a step's chunks through the model, and sampling;
+* :mod:`~llmlib.engine.outputs` — what the engine reports;
+* :mod:`~llmlib.engine.llm` — :class:`LLM`, requests in and text out;
+* :mod:`~llmlib.engine.async_llm` — :class:`AsyncLLM`, the engine in a thread, for servers.
+"""
+
+from llmlib.engine.async_llm import AsyncLLM, QueueFull, RequestStream
+from llmlib.engine.llm import LLM
+from llmlib.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "EngineStats",
+    "QueueFull",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStream",
+]

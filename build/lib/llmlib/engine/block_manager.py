@@ -1,0 +1,285 @@
+"""The block manager: hands out the paged KV cache in fixed-size blocks (chapter 10).
+
+A static KV cache reserves ``max_len`` slots for every sequence up front, and most of them sit
+empty. Here the cache is a pool of small blocks (``block_size`` token slots each, in every layer).
+A sequence owns a *block table*, the list of block ids holding its tokens in order, and takes a
+new block only when its last one is full, so at most ``block_size - 1`` slots per sequence are
+ever allocated but unused {cite}`kwon2023`.
+
+Prefix sharing. A block that is full is named by a hash of its tokens *and of the block before
+it* (a chain), so the same hash means the same tokens at the same positions with the same
+history. When a new prompt starts with blocks already in the pool (a shared system prompt),
+it points its block table at them, bumps their reference counts, and skips computing them.
+Freed blocks keep their contents and their hash until the slot is handed to someone else, so a
+prefix computed by a request that has already finished can still be reused.
+
+The manager only does bookkeeping on integers; the tensors live in :mod:`llmlib.engine.paged_cache`.
+It works on any sequence object with the attributes of
+:class:`~llmlib.engine.sequence.SequenceView` (``token_ids``, ``block_table``,
+``num_computed_tokens``, ``num_cached_tokens``), which :class:`~llmlib.engine.sequence.Sequence`
+provides.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from llmlib.engine.sequence import SequenceView
+
+
+def block_hash(parent: int | None, tokens: Seq[int]) -> int:
+    """Hash of one full block, chained to its parent's hash.
+
+    Python's hash of a tuple of ints is deterministic across runs (only str/bytes hashing is
+    salted), and chaining makes equal hashes mean equal *prefixes*, not merely equal blocks.
+    """
+    return hash((-1 if parent is None else parent, tuple(tokens)))
+
+
+@dataclass
+class Block:
+    """One block of ``block_size`` KV slots (the same block id in every layer's pool)."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full (its tokens are then fixed)
+    token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to rule out hash collisions
+    computed: bool = False  # its keys/values have been written (a hit on it may skip compute)
+
+    def reset(self) -> None:
+        self.ref_count = 0
+        self.hash = None
+        self.token_ids = ()
+        self.computed = False
+
+
+class PrefixPending(Exception):
+    """The sequence's prefix is being computed right now by another sequence; wait a step."""
+
+
+@dataclass
+class AllocationPlan:
+    """What :meth:`BlockManager.allocate` would do for a sequence, computed without side effects."""
+
+    hits: list[int] = field(default_factory=list)  # block ids reused from the prefix cache
+    hashes: list[int | None] = field(default_factory=list)  # hash of every block of the sequence
+    num_new: int = 0  # fresh blocks to take from the free list
+    num_revived: int = 0  # cached blocks that are currently free (they leave the free list too)
+
+    @property
+    def blocks_needed(self) -> int:
+        return self.num_new + self.num_revived
+
+
+class BlockManager:
+    """Free list, reference counts, block tables and the prefix-cache index of a block pool."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # The free list is ordered oldest-freed first: we hand out the oldest block, so a block
+        # freed recently (likely a prefix someone will ask for again) keeps its contents longest.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # counters for the book and the benchmarks
+        self.num_prefix_hit_blocks = 0
+        self.num_prefix_queries = 0
+
+    # ---- inspection -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_free(self, block_id: int | None = None) -> Block:
+        """Take a block off the free list: a given (cached) one, or the oldest free one."""
+        if block_id is None:
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            # Its old contents are about to be overwritten: forget them in the prefix index.
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.reset()
+        else:
+            del self.free[block_id]
+            block = self.blocks[block_id]
+        block.ref_count = 1
+        return block
+
+    def plan(self, seq: SequenceView) -> AllocationPlan:
+        """How many blocks admitting ``seq`` would take, and which prefix blocks it would reuse.
+
+        Raises :class:`PrefixPending` when a prefix block it could share is allocated but not yet
+        computed (another sequence is prefilling it in this step): waiting one step turns that
+        into a hit, which is what makes a shared prefix computed exactly once.
+        """
+        tokens = seq.token_ids
+        bs = self.block_size
+        n_blocks = self.blocks_for(len(tokens))
+        plan = AllocationPlan()
+        parent: int | None = None
+        hitting = self.enable_prefix_caching
+        for i in range(n_blocks):
+            chunk = tokens[i * bs : (i + 1) * bs]
+            h = block_hash(parent, chunk) if len(chunk) == bs else None
+            plan.hashes.append(h)
+            parent = h
+            # The last token is never taken from the cache: its logits are needed to sample
+            # the next token, so at least one token of every sequence is computed.
+            if hitting and h is not None and (i + 1) * bs <= len(tokens) - 1:
+                bid = self.hash_to_block.get(h)
+                if bid is not None and self.blocks[bid].token_ids == tuple(chunk):
+                    if not self.blocks[bid].computed:
+                        raise PrefixPending(f"block {bid} is being computed by another sequence")
+                    plan.hits.append(bid)
+                    if self.blocks[bid].ref_count == 0:
+                        plan.num_revived += 1
+                    continue
+            hitting = False  # a chain: after the first miss nothing further can hit
+            plan.num_new += 1
+        return plan
+
+    def allocate(self, seq: SequenceView, plan: AllocationPlan | None = None) -> None:
+        """Give ``seq`` a block table covering all its tokens, reusing cached prefix blocks.
+
+        Sets ``seq.num_cached_tokens`` and ``seq.num_computed_tokens`` to the number of tokens
+        whose keys/values are already in the pool.
+        """
+        if seq.block_table:
+            raise ValueError("allocate: the sequence already has a block table")
+        plan = plan if plan is not None else self.plan(seq)
+        if plan.blocks_needed > len(self.free):
+            raise RuntimeError(f"allocate: need {plan.blocks_needed} blocks, {len(self.free)} free")
+        bs = self.block_size
+        table: list[int] = []
+        self.num_prefix_queries += len(plan.hashes)
+        for i, h in enumerate(plan.hashes):
+            if i < len(plan.hits):
+                bid = plan.hits[i]
+                block = self.blocks[bid]
+                if block.ref_count == 0:
+                    self._take_free(bid)
+                else:
+                    block.ref_count += 1
+                self.num_prefix_hit_blocks += 1
+            else:
+                block = self._take_free()
+                if h is not None and self.enable_prefix_caching:
+                    # A full prompt block: its tokens are known now, so register it at once;
+                    # it stays "pending" (not computed) until the forward pass has written it.
+                    block.hash = h
+                    block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                    self.hash_to_block.setdefault(h, block.block_id)
+                bid = block.block_id
+            table.append(bid)
+        seq.block_table = table
+        seq.num_cached_tokens = len(plan.hits) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens
+
+    def can_append(self, seq: SequenceView) -> bool:
+        """Is there room for the sequence's tokens (one more block at most)?"""
+        missing = self.blocks_for(len(seq.token_ids)) - len(seq.block_table)
+        return missing <= len(self.free)
+
+    def append_slots(self, seq: SequenceView) -> None:
+        """Grow the block table so it covers every token of the sequence (after a decode step)."""
+        while len(seq.block_table) * self.block_size < len(seq.token_ids):
+            if not self.free:
+                raise RuntimeError(
+                    "append_slots: no free block (the scheduler should have preempted)"
+                )
+            seq.block_table.append(self._take_free().block_id)
+
+    def mark_computed(self, seq: SequenceView) -> None:
+        """After a forward pass: flag blocks now fully written, and index newly full ones.
+
+        Decode fills blocks one token at a time; once a block is full and written, it gets its
+        chain hash so a later request (or this one, recomputed after preemption) can reuse it.
+        """
+        bs = self.block_size
+        n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(n_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.computed:
+                continue
+            block.computed = True
+            if block.hash is None and self.enable_prefix_caching:
+                parent = self.blocks[seq.block_table[i - 1]].hash if i else None
+                if i and parent is None:
+                    continue  # parent unhashed (prefix caching turned on midway): no chain
+                chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.hash = block_hash(parent, chunk)
+                block.token_ids = chunk
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+
+    def free_seq(self, seq: SequenceView) -> None:
+        """Return a sequence's blocks (finished, aborted or preempted): drop one reference each.
+
+        A block whose count reaches zero goes back on the free list *with its contents*, so the
+        prefix index can still find it; a pending block (never computed) is unindexed instead.
+        """
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"free_seq: block {bid} is already free (double free)")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if not block.computed:
+                    if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+                        del self.hash_to_block[block.hash]
+                    block.reset()
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    # ---- accounting -------------------------------------------------------------------------
+    def usage(self, seqs: Seq[SequenceView]) -> tuple[int, int]:
+        """(slots allocated, slots holding a token) over the blocks of the given sequences.
+
+        A block shared by several sequences is counted once. The difference is the memory that
+        is allocated but unused: in a paged cache, only the tail of each sequence's last block.
+        """
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for seq in seqs:
+            n = len(seq.token_ids)
+            for i, bid in enumerate(seq.block_table):
+                filled[bid] = max(filled.get(bid, 0), min(bs, max(0, n - i * bs)))
+        return len(filled) * bs, sum(filled.values())
+
+    def check_consistency(self, seqs: Seq[SequenceView] = ()) -> None:
+        """Assert the invariants (used by the tests): counts match the live block tables."""
+        counts = [0] * self.num_blocks
+        for seq in seqs:
+            for bid in seq.block_table:
+                counts[bid] += 1
+        for block, c in zip(self.blocks, counts):
+            assert block.ref_count == c, (
+                f"block {block.block_id}: ref_count {block.ref_count} != {c} users"
+            )
+            assert (block.block_id in self.free) == (c == 0), (
+                f"block {block.block_id}: free list disagrees"
+            )
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].hash == h, (
+                f"prefix index points at block {bid} with another hash"
+            )

@@ -1,0 +1,367 @@
+"""``llmlib.LLM``: requests in, text out, batched continuously over a paged KV cache (chapter 10).
+
+The split follows nano-vllm and vLLM:
+
+* :class:`~llmlib.engine.block_manager.BlockManager`: which KV blocks each sequence owns;
+* :class:`~llmlib.engine.scheduler.Scheduler`: which sequences run this step, and how many tokens each;
+* :class:`~llmlib.engine.runner.ModelRunner`: the scheduled chunks through the model, one token
+  sampled for every sequence that reached its end;
+* :class:`LLM` (here): prompts prepared (:mod:`llmlib.prompts`), tokens turned back into text with
+  stop strings (:class:`llmlib.text.TextStream`), results.
+
+One engine *step* is: schedule, run, sample, append, detokenize. Every running sequence advances by
+one token per step, and new prompts join as soon as there is room, so the batch is always as full
+as memory and the token budget allow (continuous batching, {cite}`kwon2023`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmlib.engine.block_manager import BlockManager
+from llmlib.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from llmlib.engine.runner import ModelRunner
+from llmlib.engine.scheduler import Scheduler, SchedulerStats
+from llmlib.engine.sequence import Sequence
+from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
+from llmlib.sampling import SamplingParams
+from llmlib.shapes import kv_cache_bytes as kv_formula
+from llmlib.text import TextStream
+
+
+class _Request:
+    """One request's text state in the engine: its sequence, its sampler and its :class:`TextStream`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        seq: Sequence,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        tokenizer: Any,
+    ) -> None:
+        self.request_id, self.prompt, self.seq, self.params, self.generator = (
+            request_id,
+            prompt,
+            seq,
+            params,
+            generator,
+        )
+        self.text = TextStream(
+            tokenizer.id_to_bytes if tokenizer is not None else None, params.stop
+        )
+        self.tokens_emitted = 0
+
+    def output(self) -> RequestOutput:
+        s = self.seq
+        delta = self.text.delta()
+        out_ids = s.output_token_ids
+        delta_ids = out_ids[self.tokens_emitted :]
+        self.tokens_emitted = len(out_ids)
+        m = RequestMetrics(
+            arrival_time=s.arrival_time,
+            first_scheduled_time=s.first_scheduled_time,
+            first_token_time=s.first_token_time,
+            finished_time=s.finished_time,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_cached_tokens=s.prompt_cached_tokens,
+            num_generated_tokens=len(out_ids),
+            num_preemptions=s.num_preemptions,
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(s.prompt_token_ids),
+            self.text.text[: self.text.emitted],
+            list(out_ids),
+            s.finish_reason,
+            m,
+            delta,
+            delta_ids,
+        )
+
+
+class LLM:
+    """Continuous batching over a paged KV cache: many requests, one model, one step at a time.
+
+    >>> llm = LLM(path)                                        # .gguf file or Hugging Face folder
+    >>> outs = llm.generate(["Hi", "Once upon"], SamplingParams(max_tokens=32, temperature=0))
+
+    ``model`` may also be a loaded :class:`llmlib.model.Transformer` (then pass ``tokenizer``, or
+    give prompts as token ids). ``num_blocks`` sizes the KV pool (default: ``kv_cache_bytes`` worth,
+    1 GiB on a CPU, most of the free memory on a GPU, never more than ``max_num_seqs`` full-length
+    sequences need). ``max_num_batched_tokens`` is the per-step token budget.
+
+    ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
+    as a replay of a CUDA graph (:class:`llmlib.cuda_graphs.PagedDecodeGraphs`), captured per
+    power-of-two batch size and history length the first time one is needed, or ahead of time with
+    :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
+    capturing (what the tests exercise).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            from llmlib.checkpoints import load_model, load_tokenizer_for
+
+            path = Path(model)
+            model_obj = load_model(path, device=device, dtype=dtype)
+            if tokenizer is None:
+                tokenizer = load_tokenizer_for(path, required=False)
+        elif isinstance(model, torch.nn.Module):
+            model_obj = model
+            if device is not None or dtype is not None:
+                model_obj = model_obj.to(
+                    device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None
+                )
+        else:
+            raise TypeError(
+                f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
+            )
+        self.model = model_obj.eval()
+        self.tokenizer = tokenizer
+        self.config = cfg = model_obj.config
+        p = next(model_obj.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
+        max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
+        bytes_per_block = kv_formula(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, p.element_size()
+        )
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                if self.device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(self.device)
+                    kv_cache_bytes = int(free * 0.8)
+                else:
+                    kv_cache_bytes = 1 << 30
+            # never more than max_num_seqs full-length sequences (plus one block each) could use
+            needed = max_num_seqs * (-(-max_len // block_size) + 1)
+            num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        self.max_model_len = self.scheduler.max_model_len
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            block_size,
+            cuda_graphs=cuda_graphs,
+            max_graph_rows=max_num_seqs,
+            max_model_len=max_len,
+        )
+        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._block_hits0 = 0
+
+    def capture_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> int:
+        """Capture the decode-step graphs for up to ``max_rows`` sequences of up to ``max_tokens``
+        tokens ahead of time (warm-up before timing); returns how many steps exist (0: graphs off)."""
+        g = self.runner.graphs
+        if g is None:
+            return 0
+        bs = self.block_manager.block_size
+        return g.capture(max_rows, None if max_tokens is None else -(-max_tokens // bs))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids): text, a conversation (the chat template), or token
+        ids, which pass through, checked (:func:`llmlib.prompts.encode_prompt`)."""
+        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.config.vocab_size)
+        return (None if not text and not isinstance(prompt, str) else text), ids
+
+    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (checked before it is queued)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens): nothing to continue from")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
+                f"maximum sequence length of {self.max_model_len} tokens"
+            )
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; it starts at the next :meth:`step` there is room. Returns its id."""
+        params = params if params is not None else SamplingParams()
+        text, ids = self.encode(prompt)
+        self.validate(ids, params)
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(
+            seq_id=next(self._ids),
+            prompt_token_ids=ids,
+            max_tokens=params.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            ignore_eos=params.ignore_eos,
+            params=params,
+            request_id=rid,
+        )
+        req = _Request(rid, text, seq, params, params.make_generator(self.device), self.tokenizer)
+        self.scheduler.add(seq)
+        self._requests[rid] = req
+        self._by_seq[seq.seq_id] = req
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks. False if it is unknown or already finished."""
+        req = self._requests.pop(str(request_id), None)
+        if req is None:
+            return False
+        self._by_seq.pop(req.seq.seq_id, None)
+        self.scheduler.finish(req.seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, detokenize. Returns an output for every request that got
+        a token this step (finished ones included); each carries the delta since the last report."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        self._account_memory()
+        gens = {c.seq.seq_id: self._by_seq[c.seq.seq_id].generator for c in chunks if c.samples}
+        next_tokens = self.runner.execute(chunks, gens)
+        touched = self.scheduler.postprocess(chunks, next_tokens)
+        outs = []
+        for seq in touched:
+            req = self._by_seq[seq.seq_id]
+            self._append_text(req)
+            outs.append(req.output())
+            if seq.is_finished:
+                del self._requests[req.request_id]
+                del self._by_seq[seq.seq_id]
+        self._stats.steps += 1
+        return outs
+
+    def _append_text(self, req: _Request) -> None:
+        seq = req.seq
+        tok = seq.token_ids[-1]
+        if seq.finish_reason == "stop" and tok in self.eos_token_ids and not req.params.ignore_eos:
+            req.text.close()  # the EOS token ends the text without being part of it
+            return
+        if req.text.add_token(tok):  # a stop string: the text ends before it
+            if seq.is_finished:
+                seq.finish_reason = "stop"  # the same token also reached max_tokens
+            else:
+                self.scheduler.finish(seq, "stop")
+        elif seq.is_finished:
+            req.text.close()
+
+    def _account_memory(self) -> None:
+        allocated, used = self.block_manager.usage(self.scheduler.running)
+        st = self._stats
+        st.slots_allocated += allocated
+        st.slots_used += used
+        st.peak_used_blocks = max(st.peak_used_blocks, self.block_manager.num_used_blocks)
+
+    # ---- batch API ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; results in the order of ``prompts``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[r] for r in rids]
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters (prefill tokens, prefix-cache hits, preemptions, blocks)."""
+        s, bm = self.scheduler.stats, self.block_manager
+        st = self._stats
+        return EngineStats(
+            steps=st.steps,
+            forward_passes=self.runner.forward_passes,
+            prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens,
+            cached_tokens=s.cached_tokens,
+            prefix_hit_blocks=bm.num_prefix_hit_blocks - self._block_hits0,
+            preemptions=s.preemptions,
+            num_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            used_blocks=bm.num_used_blocks,
+            peak_used_blocks=st.peak_used_blocks,
+            slots_allocated=st.slots_allocated,
+            slots_used=st.slots_used,
+        )
+
+    def reset_stats(self) -> None:
+        self.scheduler.stats = SchedulerStats()
+        self._stats = EngineStats()
+        self.runner.forward_passes = 0
+        self._block_hits0 = self.block_manager.num_prefix_hit_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.cache.nbytes

@@ -1,0 +1,378 @@
+"""The paged KV cache: one pool of blocks per layer, read and written through block tables.
+
+The pool of layer ``i`` is two tensors ``[num_blocks, block_size, kv_heads, head_dim]`` (keys and
+values), token-major like vLLM's: a sequence's keys live in the blocks its block table names, in
+order, block ``b`` holding positions ``b * block_size ... (b + 1) * block_size - 1``. Token-major
+matters on the CPU: gathering a row's blocks is then one ``index_select`` whose result is already
+``[tokens, heads, head_dim]``, and turning it into attention's ``[heads, tokens, head_dim]`` is a
+view. The head-major layout needed a second copy, and that copy was a tenth of the engine's time.
+
+The model never sees any of this. Each forward pass gets a :class:`PagedStep`, built from the
+chunks of sequences scheduled in it. It implements the cache contract two ways:
+
+* ``k_all, v_all, mask = step.update(layer, k, v, positions)`` — the contract every cache has
+  (see :class:`llmlib.attention.Attention`): scatter the new keys and values into their slots,
+  gather each row's blocks, and return a mask saying which query may see which key (the same
+  sequence, at or before its position). Several sequences may share a row back to back; the mask
+  is then block-diagonal. Simple, and exactly attention over a contiguous cache.
+* ``out = step.attend(layer, q, k, v, attention)`` — what the engine uses. The step knows where
+  each sequence's tokens sit, so instead of one padded grid under a mask it computes attention
+  sequence by sequence: a prefill chunk attends over its own sequence's keys (causal, no wasted
+  scores on other sequences' keys), and all single-token (decode) chunks go through one batched
+  call over their gathered blocks. That lets the engine put *every* token of a step, prefill and
+  decode alike, in one row: one forward pass, one set of weight-matrix products per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from llmlib.attention import AttentionFn
+from llmlib.shapes import kv_cache_bytes
+
+
+class PagedKVCache:
+    """The block pools of all layers (allocated once, at engine start)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        n_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        for name, v in (
+            ("n_layers", n_layers),
+            ("num_blocks", num_blocks),
+            ("n_kv_heads", n_kv_heads),
+            ("block_size", block_size),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be a positive integer, got {v!r}")
+        self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.device, self.dtype = torch.device(device), dtype
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
+        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all layers, keys and values."""
+        return int(
+            kv_cache_bytes(
+                self.n_layers,
+                self.n_kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.k[0].element_size(),
+            )
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def step(self, rows: Seq[Seq[SeqChunk]]) -> PagedStep:
+        """The cache view for one forward pass: ``rows[b]`` lists the sequence chunks in row ``b``."""
+        return PagedStep(self, rows)
+
+
+@dataclass
+class SeqChunk:
+    """Part of one sequence computed in this forward pass.
+
+    ``start`` tokens of the sequence are already in the pool; this pass computes tokens
+    ``start .. start + length - 1``. ``block_table`` must already cover ``start + length`` tokens.
+    """
+
+    block_table: Seq[int]
+    start: int
+    length: int
+
+
+class PrefillChunk(NamedTuple):
+    """A multi-token chunk of one sequence in a step: its queries sit at ``row``, columns
+    ``col .. col + length - 1``, and attend causally over the sequence's first ``end`` keys."""
+
+    row: int
+    col: int
+    length: int
+    blocks: torch.Tensor  # the block ids holding keys 0 .. end - 1, on the pool's device
+    end: int
+
+
+class DecodeToken(NamedTuple):
+    """A single-token chunk, as the step is planned on the host: where its query sits, its
+    position, and the blocks of its sequence."""
+
+    row: int
+    col: int
+    position: int
+    blocks: list[int]
+
+
+class DecodeGroup(NamedTuple):
+    """Single-token chunks that share one batched attention call over ``n_blocks`` blocks each."""
+
+    rows: torch.Tensor  # [n] row of each query
+    cols: torch.Tensor  # [n] column of each query
+    table: torch.Tensor  # [n * n_blocks] block ids, row-major; padding repeats a harmless block
+    n_blocks: int
+    mask: torch.Tensor  # [n, 1, 1, n_blocks * block_size]: key position <= the query's position
+
+
+@dataclass
+class StepLayout:
+    """Where one forward pass's new tokens go in the pool and what each attends over.
+
+    Worked out on the host once per step and moved to the device once; the layers only index with
+    it. :class:`PagedStep` builds one from scheduled chunks; the fixed-shape decode step of the
+    CUDA graphs (:class:`llmlib.engine.graphs.StaticDecodeStep`) holds one at fixed addresses.
+    """
+
+    positions: torch.Tensor  # [B, T]
+    write_slots: torch.Tensor  # [n] pool slot (block * block_size + offset) of every real new token
+    write_index: torch.Tensor | None  # [n] its flat index in the [B * T] batch; None: no padding
+    prefills: list[PrefillChunk]
+    decodes: list[DecodeGroup]
+
+
+def write_kv(
+    cache: PagedKVCache, layout: StepLayout, layer: int, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Scatter the new keys/values ``[B, Hkv, T, hd]`` of ``layer`` into their pool slots."""
+    B, H, T, D = k.shape
+    flat = (-1, H, D)
+    k_new = k.transpose(1, 2).reshape(
+        B * T, H, D
+    )  # [B*T, Hkv, hd]; a view for the model's q/k/v split
+    v_new = v.transpose(1, 2).reshape(B * T, H, D)
+    if layout.write_index is not None:  # drop padding columns
+        k_new, v_new = k_new[layout.write_index], v_new[layout.write_index]
+    kp, vp = cache.k[layer], cache.v[layer]
+    kp.view(flat).index_copy_(0, layout.write_slots, k_new.to(kp.dtype))
+    vp.view(flat).index_copy_(0, layout.write_slots, v_new.to(vp.dtype))
+
+
+def paged_attend(
+    cache: PagedKVCache,
+    layout: StepLayout,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention: AttentionFn,
+) -> torch.Tensor:
+    """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
+    sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
+
+    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``
+    meaning causal, aligned to the end). A multi-token chunk is one call over its sequence's
+    keys, causal; the single-token chunks are batched calls over their gathered blocks, masked
+    only where a short row's keys end before the longest row's.
+    """
+    write_kv(cache, layout, layer, k, v)
+    B, H, T, D = q.shape
+    Hkv, bs = cache.n_kv_heads, cache.block_size
+    kp, vp = cache.k[layer], cache.v[layer]
+    out = q.new_zeros(B, T, H, D)  # token-major, so the caller's transpose back is a view
+    for c in layout.prefills:
+        kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
+        vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
+        o = attention(
+            q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None
+        )  # [1, H, n, D]
+        out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
+    for g in layout.decodes:
+        n = len(g.rows)
+        # One query per head, and query head h reads KV head h // (H / Hkv): so the query heads
+        # sharing a KV head can ride as that head's "queries" [n, Hkv, H / Hkv, D], all under
+        # the same mask. Plain multi-head attention then, which no backend has to expand for GQA.
+        qd = q[g.rows, :, g.cols].view(n, Hkv, H // Hkv, D)
+        kd = kp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
+        vd = vp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
+        out[g.rows, g.cols] = attention(qd, kd, vd, g.mask).reshape(n, H, D)
+    return out.transpose(1, 2)
+
+
+class PagedStep:
+    """The cache of one forward pass over the paged pool (an ``AttendingCache`` and a ``KVCacheLike``).
+
+    Everything is worked out once, on the host, when the step is built (a few hundred integers),
+    and moved to the device once (:class:`StepLayout`); the layers then only index with it.
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: Seq[Seq[SeqChunk]]) -> None:
+        if not rows or any(not r for r in rows):
+            raise ValueError("PagedStep: every row needs at least one sequence chunk")
+        self.cache, self.rows = cache, [list(r) for r in rows]
+        bs, dev = cache.block_size, cache.device
+        B = len(rows)
+        T = max(sum(c.length for c in r) for r in rows)
+        self.shape = (B, T)
+        positions = torch.zeros((B, T), dtype=torch.long)
+        slots: list[torch.Tensor] = []  # pool slot of every new token
+        index: list[torch.Tensor] = []  # its flat index in the [B * T] batch (padding has none)
+        prefills: list[PrefillChunk] = []
+        decodes: list[DecodeToken] = []
+        for b, row in enumerate(rows):
+            t0 = 0  # next query column in this row
+            for c in row:
+                if c.start < 0 or c.length <= 0:
+                    raise ValueError(f"PagedStep: chunk start must be >= 0 and length > 0, got {c}")
+                end = c.start + c.length
+                need = -(-end // bs)
+                if len(c.block_table) < need:
+                    raise ValueError(
+                        f"PagedStep: block table of {len(c.block_table)} blocks cannot hold {end} tokens"
+                    )
+                blocks = [int(x) for x in c.block_table[:need]]
+                pos = torch.arange(c.start, end)
+                positions[b, t0 : t0 + c.length] = pos
+                slots.append(
+                    torch.as_tensor(blocks)[pos // bs] * bs + pos % bs
+                )  # position p: block p // bs, slot p % bs
+                index.append(b * T + t0 + torch.arange(c.length))
+                if c.length == 1:
+                    decodes.append(DecodeToken(b, t0, c.start, blocks))
+                else:
+                    prefills.append(
+                        PrefillChunk(b, t0, c.length, torch.as_tensor(blocks, device=dev), end)
+                    )
+                t0 += c.length
+        write_slots = torch.cat(slots).to(dev)
+        write_index = (
+            None if len(write_slots) == B * T else torch.cat(index).to(dev)
+        )  # None: no padding
+        # Single-token chunks attend in batched calls, each over a [n, nb * bs] gather padded to
+        # its longest member; padding is read and masked for nothing, so rows are sorted by length
+        # and cut into groups of similar lengths (see _group_by_length).
+        groups = []
+        for group in _group_by_length(decodes, bs):
+            nb = max(len(d.blocks) for d in group)
+            table = torch.zeros(
+                (len(group), nb), dtype=torch.long
+            )  # padding repeats block 0, masked below
+            for i, d in enumerate(group):
+                table[i, : len(d.blocks)] = torch.as_tensor(d.blocks)
+            q_pos = torch.tensor([d.position for d in group])
+            mask = (
+                torch.arange(nb * bs)[None, :] <= q_pos[:, None]
+            )  # key position <= the query's position
+            groups.append(
+                DecodeGroup(
+                    torch.tensor([d.row for d in group], device=dev),
+                    torch.tensor([d.col for d in group], device=dev),
+                    table.view(-1).to(dev),
+                    nb,
+                    mask[:, None, None, :].to(dev),
+                )
+            )
+        self.layout = StepLayout(positions.to(dev), write_slots, write_index, prefills, groups)
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """The fast path, sequence by sequence: :func:`paged_attend`."""
+        return paged_attend(self.cache, self.layout, layer, q, k, v, attention)
+
+    # ---- the contract: hand back keys, values and a mask ----------------------------------------
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write the new keys/values ``[B, Hkv, T, hd]`` into their slots; return what to attend over:
+        every row's blocks gathered ``[B, Hkv, S, hd]`` and the mask ``[B, 1, T, S]``.
+
+        ``positions`` is accepted for the contract; the slots were fixed when the step was built
+        (from the same positions), so it is not needed here.
+        """
+        write_kv(self.cache, self.layout, layer, k, v)
+        gather, mask = self._dense_view()
+        B, nb = gather.shape
+        bs, H, D = self.cache.block_size, self.cache.n_kv_heads, self.cache.head_dim
+        kp, vp = self.cache.k[layer], self.cache.v[layer]
+        # [B * nb, bs, H, D] -> [B, nb * bs, H, D] (a view) -> [B, H, S, D] (a view)
+        k_all = kp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
+        v_all = vp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
+        return k_all, v_all, mask
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For :meth:`update`: the blocks each row gathers ``[B, nb]`` and the mask (built once per step)."""
+        if self._dense is None:
+            bs = self.cache.block_size
+            B, T = self.shape
+            nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in self.rows)
+            S = nb * bs
+            q_seq = torch.full(
+                (B, T), -1, dtype=torch.long
+            )  # which chunk (in its row) each query is
+            k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
+            k_pos = torch.zeros((B, S), dtype=torch.long)
+            gather = torch.zeros((B, nb), dtype=torch.long)  # padding repeats block 0
+            for b, row in enumerate(self.rows):
+                t0 = g0 = 0
+                for j, c in enumerate(row):
+                    end = c.start + c.length
+                    need = -(-end // bs)
+                    q_seq[b, t0 : t0 + c.length] = j
+                    gather[b, g0 : g0 + need] = torch.as_tensor(
+                        [int(x) for x in c.block_table[:need]]
+                    )
+                    k_seq[b, g0 * bs : g0 * bs + end] = j
+                    k_pos[b, g0 * bs : g0 * bs + end] = torch.arange(end)
+                    t0 += c.length
+                    g0 += need
+            q_pos = self.positions.cpu()
+            mask = (q_seq[:, :, None] == k_seq[:, None, :]) & (
+                k_pos[:, None, :] <= q_pos[:, :, None]
+            )
+            # A padding query (shorter row) would see no key at all, and softmax over nothing is NaN;
+            # let it see key 0. Its output is never read.
+            mask[:, :, 0] |= q_seq < 0
+            self._dense = (gather.to(self.cache.device), mask[:, None].to(self.cache.device))
+        return self._dense
+
+
+def _group_by_length(
+    chunks: list[DecodeToken], block_size: int, call_cost_blocks: int = 16
+) -> list[list[DecodeToken]]:
+    """Split single-token chunks into groups that each get one batched attention call.
+
+    A group reads ``len(group) * (its longest block count)`` blocks of keys and values, real or
+    padding; each extra call costs about as much as reading ``call_cost_blocks`` blocks (a few
+    kernel launches). Sorted by length, the best contiguous split is a small dynamic programme:
+    ``best[j]`` = cheapest way to cover the ``j`` shortest chunks.
+    """
+    if not chunks:
+        return []
+    order = sorted(chunks, key=lambda c: len(c.blocks))
+    lens = [len(c.blocks) for c in order]
+    n = len(order)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is order[i:j]; its longest member is order[j - 1]
+            cost = best[i] + (j - i) * lens[j - 1] + call_cost_blocks
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]

@@ -1,0 +1,182 @@
+"""Weight-matrix products, and a second copy of the weights that batches multiply faster on a CPU.
+
+Every product of activations with a weight matrix in the model goes through :func:`linear`. On a
+GPU, and for anything that is not a float32 matrix on the CPU, it is ``F.linear``. On the CPU two
+kinds of product matter, and no single memory layout serves both:
+
+* one token at a time (batch-1 decode): a matrix-vector product, limited by how fast the weights
+  stream from memory. The layout chosen by :func:`use_matvec_layout` is best.
+* many tokens at once (a prefill, or a batch of decoding sequences): a matrix-matrix product,
+  limited by arithmetic. oneDNN, PyTorch's CPU deep-learning library, multiplies fastest when the
+  weight is first re-ordered into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+  what ``torch.compile`` does to frozen CPU weights); chapter 10 measures by how much.
+
+:func:`pack_weights` adds the blocked copy to every weight matrix (the dense matrix stays: state
+dicts, plots and the batch-1 path read it), so a float32 CPU model then holds its weights twice.
+:func:`linear` takes the packed copy when the input has more than one row. The copy remembers
+which tensor it was made from and that tensor's version counter: if the weight is replaced or
+changed in place afterwards, the stale copy is ignored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ATTR = "_llmlib_packed"  # (packed weight, source data_ptr, source version), set on the Parameter
+
+
+def _packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when it is valid
+    and ``x`` holds more than one row, else ``F.linear``."""
+    packed = getattr(weight, _ATTR, None)
+    if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
+        p, ptr, version = packed
+        if ptr == weight.data_ptr() and version == weight._version:
+            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Give every float32 CPU weight matrix of ``model`` a oneDNN-packed copy; return how many.
+
+    A no-op (returns 0) on other devices and dtypes, or where PyTorch was built without oneDNN.
+    Calling it again re-packs only matrices whose copy went stale.
+    """
+    if not _packing_available():
+        return 0
+    n = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() != 2 or p.device.type != "cpu" or p.dtype != torch.float32:
+                continue
+            old = getattr(p, _ATTR, None)
+            if old is not None and old[1] == p.data_ptr() and old[2] == p._version:
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(p.data.contiguous(), None)
+            setattr(p, _ATTR, (packed, p.data_ptr(), p._version))
+            n += 1
+    return n
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` would use a packed copy of ``weight`` for a multi-row input."""
+    packed = getattr(weight, _ATTR, None)
+    return packed is not None and packed[1] == weight.data_ptr() and packed[2] == weight._version
+
+
+def prepare_cpu_weights(model: nn.Module) -> None:
+    """Give a model on the CPU both layouts: the decode one, then the blocked copy for batches.
+
+    Called by the loader; a no-op for a model on another device.
+    """
+    if all(p.device.type != "cpu" for p in model.parameters()):
+        return
+    use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
+    pack_weights(model)  # batches: oneDNN's blocked copy, made after the layout is final
+
+
+# ---- the decode layout --------------------------------------------------------------------------
+
+
+def matvec_layout_is_column_major(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a ``[out, in]`` weight multiplies one vector faster stored column-major on a CPU.
+
+    A decode step is a matrix-vector product per weight, limited by how fast the weights stream from
+    memory. MKL streams long contiguous runs best, and which dimension is the long run matters:
+    on the machines this book was written on, gate/up and the LM head streamed faster column-major
+    and the down projection row-major.
+    So: make the longer dimension the contiguous one (ties: column-major, slightly faster for wo).
+    """
+    out_features, in_features = shape
+    return out_features >= in_features
+
+
+def _in_matvec_layout(p: torch.Tensor) -> bool:
+    if matvec_layout_is_column_major(p.shape):
+        return p.stride() == (1, p.shape[0])
+    return p.is_contiguous()
+
+
+_HUGE_PAGE = 2 << 20  # bytes in an x86-64 transparent huge page
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> bool:
+    """Ask Linux to back ``[ptr, ptr + nbytes)`` (2 MiB aligned, not yet touched) with huge pages."""
+    if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(ptr, nbytes, 14) == 0  # 14 = MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        return False
+
+
+def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
+    """Re-store the weight matrices for fast decoding on a CPU; return how many were moved.
+
+    Two things make a batch-1 decode step (one matrix-vector product per weight, limited by how
+    fast the weights stream from memory) faster, with the same names, shapes and values:
+
+    * each matrix gets its faster layout (:func:`matvec_layout_is_column_major`);
+    * all matrices move into one buffer, in the order a forward pass reads them, that Linux is
+      asked to back with 2 MiB pages instead of 4 KiB ones (``madvise(MADV_HUGEPAGE)``): a step
+      touches every weight once, i.e. one small page (and one TLB miss) per 4 KiB; with huge
+      pages, one per 2 MiB.
+
+    ``state_dict()`` still hands out contiguous tensors that own their memory
+    (:class:`llmlib.model.Transformer` copies the others), so saving with safetensors works.
+    A second call returns 0. Weights that are not on the CPU only get their layout changed.
+    """
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    if not mats or all(_in_matvec_layout(p) for p in mats):
+        return 0
+    dtypes = {p.dtype for p in mats}
+    on_cpu = all(p.device.type == "cpu" for p in mats)
+    with torch.no_grad():
+        if not (on_cpu and len(dtypes) == 1):
+            for p in mats:
+                if not _in_matvec_layout(p):
+                    p.data = (
+                        p.data.t().contiguous().t()
+                        if matvec_layout_is_column_major(p.shape)
+                        else p.data.contiguous()
+                    )
+            return len(mats)
+        dtype = mats[0].dtype
+        elt = torch.empty((), dtype=dtype).element_size()
+        step = 64 // elt  # start every matrix on a cache line
+        sizes = [-(-p.numel() // step) * step for p in mats]
+        total = sum(sizes)
+        pad = _HUGE_PAGE // elt
+        arena = torch.empty(
+            total + pad, dtype=dtype
+        )  # untouched memory: pages are allocated on first write
+        ptr = arena.data_ptr()
+        aligned = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+        if huge_pages:
+            _advise_huge_pages(aligned, (total * elt) // _HUGE_PAGE * _HUGE_PAGE)
+        offset = (aligned - ptr) // elt
+        for p, size in zip(mats, sizes):
+            out_f, in_f = p.shape
+            chunk = arena[offset : offset + p.numel()]
+            new = (
+                chunk.view(in_f, out_f).t()
+                if matvec_layout_is_column_major(p.shape)
+                else chunk.view(out_f, in_f)
+            )
+            new.copy_(p.data)
+            p.data = new
+            offset += size
+    return len(mats)

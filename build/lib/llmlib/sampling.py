@@ -1,0 +1,227 @@
+"""Sampling: turning the last position's logits into the next token.
+
+The model hands us one row of logits per sequence in the batch. Every knob here reshapes that row
+before a single draw: a repetition penalty pushes down tokens already seen, temperature sharpens or
+flattens the distribution, and top-k, top-p and min-p cut off its long tail. Temperature 0 skips the
+draw altogether and takes the argmax (greedy decoding).
+
+Each row of a batch carries its own :class:`SamplingParams` and its own ``torch.Generator``, so the
+batching engine of chapter 10 can serve requests with different settings in one forward pass, and a
+seed reproduces one request's continuation no matter what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (the names follow vLLM's ``SamplingParams``).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before the softmax.
+    top_k: keep only the k most likely tokens (None = off).
+    top_p: keep the smallest set of most likely tokens whose probabilities sum to at least p
+        (nucleus sampling; None or 1.0 = off).
+    min_p: drop tokens whose probability is below ``min_p`` times the top token's (None or 0 = off).
+    repetition_penalty: >1 discourages tokens that already appear in the prompt or output
+        (the CTRL rule that Hugging Face uses: divide a positive logit, multiply a negative one).
+    seed: seeds this request's own ``torch.Generator``; None draws from torch's global generator.
+    max_tokens: the most new tokens to generate.
+    stop: strings that end generation when they appear in the output (not included in the text).
+    ignore_eos: keep generating past the end-of-sequence token.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def real(name: str, v: object) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {type(v).__name__}")
+            if not math.isfinite(v):
+                raise ValueError(f"SamplingParams.{name} must be finite, got {v!r}")
+            return float(v)
+
+        def integer(name: str, v: object) -> int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__}")
+            return v
+
+        if real("temperature", self.temperature) < 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if self.top_k is not None and integer("top_k", self.top_k) < 1:
+            raise ValueError(f"SamplingParams.top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < real("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] or None, got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= real("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] or None, got {self.min_p}")
+        if real("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        if self.seed is not None and integer("seed", self.seed) < 0:
+            raise ValueError(
+                f"SamplingParams.seed must be a non-negative int or None, got {self.seed}"
+            )
+        if integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):  # a single stop string is a common slip; accept it
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
+            raise TypeError(f"SamplingParams.stop must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain the empty string")
+        self.stop = list(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(
+                f"SamplingParams.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """This request's own random stream (None when unseeded: torch's global one is used)."""
+        if self.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed)
+        return g
+
+
+# ---- the pieces, each on a [B, V] batch of float logits ----------------------------------------
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """Penalize every token in ``seen`` [B, N] (ids; pad with any id already in the row) by ``penalty`` [B].
+
+    The CTRL rule: a positive logit is divided by the penalty and a negative one multiplied, so the
+    token always becomes less likely when penalty > 1. Returns a new tensor.
+    """
+    picked = logits.gather(1, seen)
+    p = penalty.to(logits.dtype).unsqueeze(1)
+    picked = torch.where(picked > 0, picked / p, picked * p)
+    return logits.scatter(1, seen, picked)
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, per row; removed tokens get -inf.
+
+    All arguments after ``logits`` [B, V] are [B] tensors: temperature > 0; top_k in 1..V (V = off);
+    top_p in (0, 1] (1 = off); min_p in [0, 1] (0 = off). One descending sort serves all three cuts.
+    """
+    V = logits.shape[1]
+    scaled = logits / temperature.to(logits.dtype).unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device).unsqueeze(0)  # [1, V]
+    drop = rank >= top_k.unsqueeze(1)  # top-k: everything past the k-th place
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # top-p: drop a token when the tokens ranked above it already reach p (so the top one always stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = drop | (mass_before >= top_p.to(probs.dtype).unsqueeze(1))
+    # min-p: drop tokens far less likely than the best one (probs[:, :1] is the top token's)
+    drop = drop | (probs < min_p.to(probs.dtype).unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False  # never empty a row
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _param_tensors(params: Sequence[SamplingParams], vocab: int, device: torch.device):
+    t = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params], device=device)
+    tp = torch.tensor([p.top_p if p.top_p is not None else 1.0 for p in params], device=device)
+    mp = torch.tensor([p.min_p if p.min_p is not None else 0.0 for p in params], device=device)
+    return t, k, tp, mp
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    seen: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V], each row with its own params and generator.
+
+    ``seen`` lists, per row, the token ids the repetition penalty applies to (prompt and output so
+    far); it is only read for rows whose penalty is not 1. Returns a LongTensor [B] on the logits'
+    device. Rows that are all greedy take the fast path: one argmax, no sort, no softmax.
+    """
+    if logits.dim() != 2:
+        raise ValueError(
+            f"sample expects logits of shape [batch, vocab], got {tuple(logits.shape)}"
+        )
+    B, V = logits.shape
+    if len(params) != B:
+        raise ValueError(f"sample got {len(params)} SamplingParams for a batch of {B} rows")
+    if generators is not None and len(generators) != B:
+        raise ValueError(f"sample got {len(generators)} generators for a batch of {B} rows")
+    logits = logits.float()
+
+    penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if penalized:
+        if seen is None:
+            raise ValueError(
+                "a repetition_penalty needs the tokens seen so far (the `seen` argument)"
+            )
+        for i in penalized:
+            if len(seen[i]):
+                ids = torch.tensor([list(seen[i])], device=logits.device)
+                pen = torch.tensor([params[i].repetition_penalty], device=logits.device)
+                logits[i : i + 1] = apply_repetition_penalty(logits[i : i + 1], ids, pen)
+
+    greedy = [p.greedy for p in params]
+    out = logits.argmax(dim=-1)
+    if all(greedy):
+        return out
+    rows = [i for i, g in enumerate(greedy) if not g]
+    sub = logits[rows]
+    filtered = filter_logits(sub, *_param_tensors([params[i] for i in rows], V, logits.device))
+    probs = filtered.softmax(dim=-1)
+    for j, i in enumerate(rows):
+        g = generators[i] if generators is not None else None
+        # one multinomial draw per row, so each row consumes only its own random stream
+        out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+    return out
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one draw would use for a 1-D row of logits (for the book's figures).
+
+    Greedy params give a one-hot on the argmax.
+    """
+    if logits.dim() != 1:
+        raise ValueError(
+            f"probabilities expects a 1-D row of logits, got shape {tuple(logits.shape)}"
+        )
+    row = logits.float().unsqueeze(0)
+    if params.greedy:
+        return torch.zeros_like(row[0]).scatter(0, row[0].argmax().view(1), 1.0)
+    return filter_logits(row, *_param_tensors([params], row.shape[-1], row.device)).softmax(-1)[0]

@@ -1,0 +1,152 @@
+"""Running the server: ``llmlib serve`` on the command line, and :class:`ServerThread` for tests,
+notebooks and benchmarks (uvicorn in a background thread)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+from llmlib.serve.app import DEFAULT_HOST, DEFAULT_PORT, create_app
+from llmlib.serve.protocol import Limits
+
+
+class ServerThread:
+    """Run an app under uvicorn in a background thread on 127.0.0.1 (port 0 = any free port).
+
+    ``with ServerThread(app) as s: ... s.url ...``; used by the tests, the notebook and the benchmark.
+    """
+
+    def __init__(
+        self, app: Any, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning"
+    ):
+        import uvicorn
+
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name="llmlib-server", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread died while starting (port in use?)")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError("the server did not start in time")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def build_engine(
+    model: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    **engine_kwargs: Any,
+):
+    """Load a model into the async batching engine: ``(engine, model_id)``."""
+    from pathlib import Path
+
+    from llmlib.checkpoints import resolve_model_path
+    from llmlib.device import choose
+
+    path = resolve_model_path(model)
+    place = choose(device, dtype)
+    engine = _make_async_engine(path, place.device, place.dtype, **engine_kwargs)
+    return engine, Path(path).stem if Path(path).is_file() else Path(path).name
+
+
+def _make_async_engine(path: Any, device: Any, dtype: Any, **kw: Any) -> Any:
+    from llmlib.engine import AsyncLLM
+
+    return AsyncLLM(str(path), device=device, dtype=dtype, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="llmlib serve", description="An OpenAI-compatible server on llmlib's batching engine."
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2, fetched)",
+    )
+    ap.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="address to bind (default 127.0.0.1: this machine only)",
+    )
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ap.add_argument(
+        "--max-queue", type=int, default=64, help="requests in flight before new ones get 503"
+    )
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)",
+    )
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients must send (default: file name)",
+    )
+    ap.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy, shared CPU)",
+    )
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    if args.max_queue < 1:
+        ap.error("--max-queue must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"llmlib serve: warning: binding {args.host}; anyone who can reach it can use this model",
+            flush=True,
+        )
+    import uvicorn
+
+    engine, name = build_engine(args.model, args.device, args.dtype)
+    name = args.served_model_name or name
+    app = create_app(
+        engine,
+        name,
+        limits=Limits(max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue),
+    )
+    print(f"llmlib serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,7 @@
+"""``python -m llmlib``: the ``llmlib`` command."""
+
+import sys
+
+from llmlib.cli import main
+
+sys.exit(main())

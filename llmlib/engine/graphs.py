@@ -1,0 +1,204 @@
+"""The batching engine's decode steps on CUDA graphs: fixed shapes, fixed addresses, one launch.
+
+A step in which every running sequence decodes one token is a few hundred tiny kernels; on a GPU
+the CPU's launching them, not the GPU's running them, sets the pace at small batches. A CUDA graph
+records the step once and replays it with one launch. It replays exactly the recorded kernels on
+exactly the recorded memory, so the step must have a fixed shape and every index tensor a fixed
+address: :class:`StaticDecodeStep` is such a step (rows x blocks, both rounded up to a power of
+two), and :class:`PagedDecodeGraphs` captures one graph per shape the first time it is needed.
+
+On the CPU the same fixed-shape steps run eagerly (nothing to capture), which is what the tests
+exercise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from llmlib.attention import AttentionFn
+from llmlib.engine.paged_cache import DecodeGroup, PagedKVCache, SeqChunk, StepLayout, paged_attend
+
+
+class StaticDecodeStep:
+    """A decode-only step with fixed shapes and fixed addresses, which a CUDA graph can replay.
+
+    ``rows`` sequences of one new token each, every one attending over ``blocks`` blocks. All the
+    step's index tensors (token ids, positions, write slots, block table, mask) are allocated once
+    in a :class:`~llmlib.engine.paged_cache.StepLayout`; :meth:`fill` copies each new step's values
+    into them, so a graph captured over this step reads the new values on replay. Rows past the
+    real ones are padding: they write into ``scratch_block``, a block the block manager never hands
+    out, and read only its first slot. Attention is the paged step's own
+    (:func:`~llmlib.engine.paged_cache.paged_attend`) over this layout.
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: int, blocks: int, scratch_block: int) -> None:
+        if not 0 <= scratch_block < cache.num_blocks:
+            raise ValueError(f"StaticDecodeStep: scratch block {scratch_block} is not in the pool")
+        dev, bs = cache.device, cache.block_size
+        self.cache = cache
+        self.num_rows, self.num_blocks, self.scratch_block = rows, blocks, scratch_block
+        self.ids = torch.zeros((1, rows), dtype=torch.long, device=dev)
+        table = torch.full((rows * blocks,), scratch_block, dtype=torch.long, device=dev)
+        mask = torch.zeros((rows, 1, 1, blocks * bs), dtype=torch.bool, device=dev)
+        mask[..., 0] = True
+        group = DecodeGroup(
+            torch.zeros(rows, dtype=torch.long, device=dev),
+            torch.arange(rows, device=dev),
+            table,
+            blocks,
+            mask,
+        )
+        self.layout = StepLayout(
+            positions=torch.zeros((1, rows), dtype=torch.long, device=dev),
+            write_slots=torch.full((rows,), scratch_block * bs, dtype=torch.long, device=dev),
+            write_index=None,
+            prefills=[],
+            decodes=[group],
+        )
+        self._key_pos = torch.arange(blocks * bs)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        return paged_attend(self.cache, self.layout, layer, q, k, v, attention)
+
+    def fill(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> None:
+        """Copy one step's decode chunks (``length == 1``) and their input tokens into the buffers."""
+        n, bs, nb = len(chunks), self.cache.block_size, self.num_blocks
+        if not 0 < n <= self.num_rows:
+            raise ValueError(f"StaticDecodeStep: {n} chunks for a step of {self.num_rows} rows")
+        ids = torch.zeros((1, self.num_rows), dtype=torch.long)
+        pos = torch.zeros((1, self.num_rows), dtype=torch.long)
+        slots = torch.full((self.num_rows,), self.scratch_block * bs, dtype=torch.long)
+        table = torch.full((self.num_rows, nb), self.scratch_block, dtype=torch.long)
+        for i, (c, t) in enumerate(zip(chunks, token_ids)):
+            need = c.start // bs + 1
+            if c.length != 1 or need > nb or len(c.block_table) < need:
+                raise ValueError(f"StaticDecodeStep: chunk {c} is not one token within {nb} blocks")
+            ids[0, i], pos[0, i] = t, c.start
+            table[i, :need] = torch.as_tensor([int(x) for x in c.block_table[:need]])
+            slots[i] = table[i, c.start // bs] * bs + c.start % bs
+        mask = self._key_pos[None, :] <= pos[0, :, None]  # padding rows: position 0, so key 0 only
+        group = self.layout.decodes[0]
+        self.ids.copy_(ids)
+        self.layout.positions.copy_(pos)
+        self.layout.write_slots.copy_(slots)
+        group.table.copy_(table.view(-1))
+        group.mask.copy_(mask[:, None, None, :])
+
+
+def _bucket(n: int, limit: int) -> int:
+    """The smallest power of two >= n, capped at ``limit`` (n itself must be <= limit)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+class PagedDecodeGraphs:
+    """The batching engine's decode steps on CUDA graphs (``llmlib.LLM`` on a GPU).
+
+    A step in which every scheduled sequence decodes one token is run on a
+    :class:`StaticDecodeStep` of ``rows x blocks``, both rounded up to a power
+    of two (at most ``max_rows`` and ``max_blocks``): a batch of 37 sequences whose longest history
+    spans 9 blocks runs in the step for 64 rows of 16 blocks. One graph per such pair is captured
+    the first time it is needed (or ahead of time with :meth:`capture`), after a warm-up; every
+    graph shares one memory pool. Steps that hold a prompt chunk, or exceed the limits, run eagerly.
+
+    ``forward(ids, positions, step)`` is the engine's forward pass, returning ``[rows, vocab]``
+    logits. With ``enabled=False`` (the default off CUDA) the same fixed-shape steps run eagerly
+    without capture, which is what the CPU tests exercise.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        cache: Any,
+        scratch_block: int,
+        max_rows: int,
+        max_blocks: int,
+        enabled: bool | None = None,
+        warmup: int = 2,
+    ) -> None:
+        if max_rows < 1 or max_blocks < 1:
+            raise ValueError(
+                f"PagedDecodeGraphs: max_rows ({max_rows}) and max_blocks ({max_blocks}) must be >= 1"
+            )
+        self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
+        self.max_rows, self.max_blocks, self.warmup = max_rows, max_blocks, warmup
+        self.enabled = (cache.device.type == "cuda") if enabled is None else bool(enabled)
+        if self.enabled and cache.device.type != "cuda":
+            raise ValueError("PagedDecodeGraphs: CUDA graphs need the KV pool on a CUDA device")
+        self._entries: dict[tuple[int, int], tuple[Any, Any, torch.Tensor | None]] = {}
+        self._pool = None
+        self.replays = 0  # steps served from a captured graph
+        self.static_steps = 0  # steps served by a fixed-shape step (graph or not)
+
+    def fits(self, chunks: Sequence[Any]) -> bool:
+        """Whether a step of these chunks can run here: all single tokens, within the limits."""
+        if not chunks or len(chunks) > self.max_rows or any(c.length != 1 for c in chunks):
+            return False
+        bs = self.cache.block_size
+        return max(c.start // bs + 1 for c in chunks) <= self.max_blocks
+
+    def key(self, chunks: Sequence[Any]) -> tuple[int, int]:
+        bs = self.cache.block_size
+        return (
+            _bucket(len(chunks), self.max_rows),
+            _bucket(max(c.start // bs + 1 for c in chunks), self.max_blocks),
+        )
+
+    @torch.inference_mode()
+    def _entry(self, key: tuple[int, int]) -> tuple[Any, Any, torch.Tensor | None]:
+        if key not in self._entries:
+            step = StaticDecodeStep(self.cache, key[0], key[1], self.scratch_block)
+            graph = out = None
+            if self.enabled:
+                dev = self.cache.device
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                # Warm up on a side stream (lazy initialisation must not happen inside a capture).
+                # The fresh step is all padding, so these passes write only into the scratch block.
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        self.forward(step.ids, step.positions, step)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self.forward(step.ids, step.positions, step)
+            self._entries[key] = (step, graph, out)
+        return self._entries[key]
+
+    def capture(self, max_rows: int | None = None, max_blocks: int | None = None) -> int:
+        """Capture ahead of time every (rows, blocks) step up to these sizes (default: the limits),
+        largest first, so that timed runs never pay for a capture. Returns how many exist."""
+        R = min(max_rows or self.max_rows, self.max_rows)
+        NB = min(max_blocks or self.max_blocks, self.max_blocks)
+        rows = sorted({_bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
+        blocks = sorted({_bucket(n, self.max_blocks) for n in range(1, NB + 1)}, reverse=True)
+        for r in rows:
+            for b in blocks:
+                self._entry((r, b))
+        return len(self._entries)
+
+    @torch.inference_mode()
+    def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold)."""
+        step, graph, out = self._entry(self.key(chunks))
+        step.fill([SeqChunk(c.seq.block_table, c.start, 1) for c in chunks], token_ids)
+        self.static_steps += 1
+        if graph is None:
+            out = self.forward(step.ids, step.positions, step)
+        else:
+            graph.replay()
+            self.replays += 1
+        return out[: len(chunks)]

@@ -1,0 +1,238 @@
+"""The package's architecture, checked: no import cycles, imports in one direction, small modules,
+one shape table, and a built wheel that works outside the source tree."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "llmlib"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the llmlib modules it imports, anywhere in its body (function-level imports too)."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            for t in targets:
+                while t and t not in modules:  # `from llmlib.x import name`: the module is llmlib.x
+                    t = t.rpartition(".")[0]
+                if t and t.startswith("llmlib") and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                found.append(stack[stack.index(m) :] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = _imports()
+    # A package __init__ that only re-exports lazily (through llmlib._lazy) imports nothing at load.
+    for name in list(graph):
+        init = PKG.parent / (name.replace(".", "/") + "/__init__.py")
+        if init.is_file() and "lazy_exports" in init.read_text():
+            graph[name] = {d for d in graph[name] if d == "llmlib._lazy"}
+    assert _cycles(graph) == []
+
+
+# Layers, bottom to top. A module may import its own layer and those below it, never above.
+LAYERS = [
+    {
+        "llmlib._lazy",
+        "llmlib.config",
+        "llmlib.dtypes",
+        "llmlib.shapes",
+        "llmlib.gpus",
+        "llmlib.show",
+        "llmlib.checkpoints.gguf_file",
+    },  # the GGUF container: numpy only, read by the tokenizer too
+    {"llmlib.device", "llmlib.costs", "llmlib.tokenizer", "llmlib.text", "llmlib.prompts"},
+    {
+        "llmlib.linear",
+        "llmlib.embedding",
+        "llmlib.rope",
+        "llmlib.attention",
+        "llmlib.block",
+        "llmlib.model",
+        "llmlib.sampling",
+        "llmlib.kv_cache",
+        "llmlib.roofline",
+    },
+    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
+    {"llmlib.engine"},
+    {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib"},
+]
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        for top in layer:
+            if module == top or module.startswith(top + "."):
+                return i
+    raise AssertionError(f"{module} is in no layer of test_layout.LAYERS: place it")
+
+
+def test_imports_run_one_way() -> None:
+    """serve -> engine -> model -> config/device: nothing imports a layer above its own (the model
+    never imports a checkpoint reader, the engine never imports the server)."""
+    bad = []
+    for mod, deps in _imports().items():
+        if mod == "llmlib":
+            continue
+        for d in deps:
+            if d != "llmlib" and _layer(d) > _layer(mod):
+                bad.append(f"{mod} (layer {_layer(mod)}) imports {d} (layer {_layer(d)})")
+    assert bad == []
+
+
+def test_modules_are_small_or_say_why() -> None:
+    """No module over about 400 lines unless its docstring says why it is one piece."""
+    long = []
+    for p in PKG.rglob("*.py"):
+        n = len(p.read_text().splitlines())
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        if n > 420 and "one module" not in doc:
+            long.append(f"{p.relative_to(ROOT)}: {n} lines")
+    assert long == []
+
+
+def test_shape_table_is_the_model_and_the_cost_model() -> None:
+    """One shape table: the model built on the meta device has exactly its tensors, and the cost
+    model's parameter count is its sum, for every preset (MoE included)."""
+    from llmlib.config import PRESETS
+    from llmlib.costs import param_counts
+    from llmlib.model import Transformer
+    from llmlib.shapes import numel, param_shapes
+
+    for name, cfg in PRESETS.items():
+        small = cfg.replace(n_layers=2)  # every layer is alike; two keep the meta build quick
+        table = param_shapes(small)
+        model = Transformer(small, device="meta")
+        state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        assert state == table, name
+        assert param_counts(small).total == sum(numel(s) for s in table.values()), name
+        assert sum(p.numel() for p in model.parameters()) == param_counts(small).total, name
+        del model
+
+
+@pytest.mark.slow
+def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
+    """``pip wheel .`` holds everything a user needs: installed into a throwaway environment that
+    reuses this environment's dependencies, it imports from site-packages (not from the checkout),
+    runs ``llmlib costs`` and generates a few tokens with a tiny random model."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=600,
+    )
+    (wheel,) = wheels.glob("llmlib-*.whl")
+    env_dir = tmp_path / "env"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120
+    )
+    py = env_dir / "bin" / "python"
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    ours = subprocess.run(
+        [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    # the dependencies: this environment's site-packages, appended (its editable llmlib is not,
+    # since .pth files inside a directory added this way are not processed)
+    Path(site, "deps.pth").write_text(ours + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+        check=True,
+        timeout=300,
+    )
+    script = textwrap.dedent("""
+        import json, subprocess, sys
+        import torch, llmlib
+        assert "site-packages" in llmlib.__file__, llmlib.__file__
+        from llmlib.config import ModelConfig
+        from llmlib.model import random_model
+        tok = llmlib.train_bpe("the cat sat on the mat. " * 50, vocab_size=300, pattern="gpt4")
+        cfg = ModelConfig(name="tiny", vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4,
+                          n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+        gen = llmlib.Generator(random_model(cfg, device="cpu"), tok)
+        out = gen.generate("the cat", max_new_tokens=5, ignore_eos=True)
+        assert len(out.token_ids) == 5, out
+        llm = llmlib.LLM(random_model(cfg, device="cpu"), tok, num_blocks=16, block_size=4)
+        outs = llm.generate(["the cat", "the mat"], llmlib.SamplingParams(max_tokens=4, temperature=0,
+                            ignore_eos=True), use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [4, 4]
+        costs = subprocess.run([sys.executable, "-m", "llmlib", "costs", "--model", "llama-3-70b",
+                                "--json"], check=True, capture_output=True, text=True)
+        assert json.loads(costs.stdout)["kv_bytes_per_token"] == 327680
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [str(py), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
