@@ -73,7 +73,7 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, MODEL_ID, limits=Limits(max_prompt_chars=4000, max_queue=64))
+    app = create_app(engine, MODEL_ID, limits=Limits(max_prompt_chars=4000))
     with ServerThread(app) as s:
         yield s
 
@@ -208,14 +208,9 @@ BAD = [
     ({"model": MODEL_ID, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL_ID, "prompt": "hi", "top_k": 0}, 400, "top_k"),
     ({"model": MODEL_ID, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
-    ({"model": MODEL_ID, "prompt": "hi", "n": 3}, 400, "n"),
+    ({"model": MODEL_ID, "prompt": "hi", "n": 100}, 400, "n"),  # > Limits.max_n
     ({"model": MODEL_ID, "prompt": "hi", "stop": [1, 2]}, 400, "stop"),
     ({"model": MODEL_ID, "prompt": "hi", "seed": -1}, 400, "seed"),
-    (
-        {"model": MODEL_ID, "prompt": "<|im_start|>system"},
-        400,
-        "prompt",
-    ),  # special tokens are not text
 ]
 
 BAD_CHAT = [
@@ -288,51 +283,47 @@ def test_bad_requests_get_clear_errors_while_serving(server, engine):
 
 
 def test_queue_full_is_503(engine):
-    """The server's own admission bound and the engine's QueueFull both answer 503, and the server lives on."""
+    """The one queue limit is the engine's (AsyncLLM(max_queue=...)): its QueueFull is the 503,
+    and the server lives on."""
     from llmlib.engine import AsyncLLM
 
-    app = create_app(engine, MODEL_ID, limits=Limits(max_queue=2))
-    small = AsyncLLM(engine.llm.model, engine.tokenizer, max_queue=1, num_blocks=64, max_num_seqs=4)
-    app2 = create_app(small, MODEL_ID, limits=Limits(max_queue=8))
-    with ServerThread(app) as s, ServerThread(app2) as s2:
-        for srv, held in ((s, 2), (s2, 1)):
-            body = {
-                "model": MODEL_ID,
-                "prompt": "hold",
-                "max_tokens": 400,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            streams = []
-            with httpx.Client(timeout=60) as c:
-                for _ in range(held):
-                    cm = c.stream("POST", srv.url + "/v1/completions", json=body)
-                    r = cm.__enter__()
-                    assert r.status_code == 200
-                    lines = (
-                        r.iter_lines()
-                    )  # keep the iterator: dropping it would close the connection
-                    next(lines)
-                    streams.append((cm, lines))
-                r = _post(
-                    srv.url + "/v1/completions",
-                    {"model": MODEL_ID, "prompt": "one more", "max_tokens": 2},
-                )
-                assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "queue_full"
-                for cm, _ in streams:
-                    cm.__exit__(None, None, None)
-            # once the held requests are gone, the server takes new ones again
-            t0 = time.monotonic()
-            while True:
-                r = _post(
-                    srv.url + "/v1/completions",
-                    {"model": MODEL_ID, "prompt": "again", "max_tokens": 2},
-                )
-                if r.status_code == 200 or time.monotonic() - t0 > 20:
-                    break
-                time.sleep(0.1)
-            assert r.status_code == 200
+    small = AsyncLLM(engine.llm.model, engine.tokenizer, max_queue=2, num_blocks=64, max_num_seqs=4)
+    with ServerThread(create_app(small, MODEL_ID)) as srv:
+        body = {
+            "model": MODEL_ID,
+            "prompt": "hold",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        streams = []
+        with httpx.Client(timeout=60) as c:
+            for _ in range(2):
+                cm = c.stream("POST", srv.url + "/v1/completions", json=body)
+                r = cm.__enter__()
+                assert r.status_code == 200
+                lines = r.iter_lines()  # keep the iterator: dropping it would close the connection
+                next(lines)
+                streams.append((cm, lines))
+            r = _post(
+                srv.url + "/v1/completions",
+                {"model": MODEL_ID, "prompt": "one more", "max_tokens": 2},
+            )
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+            assert httpx.get(srv.url + "/health").status_code == 200
+            for cm, _ in streams:
+                cm.__exit__(None, None, None)
+        # once the held requests are gone, the server takes new ones again
+        t0 = time.monotonic()
+        while True:
+            r = _post(
+                srv.url + "/v1/completions", {"model": MODEL_ID, "prompt": "again", "max_tokens": 2}
+            )
+            if r.status_code == 200 or time.monotonic() - t0 > 20:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200
     small.shutdown()
     _idle(engine)
 

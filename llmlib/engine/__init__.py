@@ -13,14 +13,22 @@
 
 from llmlib.engine.async_llm import AsyncLLM, QueueFull, RequestStream
 from llmlib.engine.llm import LLM
-from llmlib.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from llmlib.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "CompletionOutput",
     "EngineStats",
     "QueueFull",
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",
+    "TokenLogprob",
 ]
