@@ -141,7 +141,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.n must be in 1..{MAX_N}, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= real(name, getattr(self, name)) <= 2.0:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}"
+                )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(
@@ -167,7 +169,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= integer(name, v) <= MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.{name} must be in 0..{MAX_LOGPROBS} or None, got {v}")
+                raise ValueError(
+                    f"SamplingParams.{name} must be in 0..{MAX_LOGPROBS} or None, got {v}"
+                )
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise TypeError("SamplingParams.json_schema must be a dict (a JSON schema)")
 
@@ -246,7 +250,9 @@ def apply_penalties(
                 row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         if p.logit_bias:
             ids = torch.tensor([t for t in p.logit_bias if t < V], device=logits.device)
-            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < V], device=logits.device)
+            vals = torch.tensor(
+                [p.logit_bias[t] for t in p.logit_bias if t < V], device=logits.device
+            )
             row = row.index_add(1, ids, vals.to(row.dtype).unsqueeze(0))
         logits[i : i + 1] = row
     return logits

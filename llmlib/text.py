@@ -86,9 +86,7 @@ class TextStream:
         if self.stop and check_stop:
             hit = find_stop(self.text, self.stop, len(self.text) - len(piece))
             if hit is not None:
-                self.stop_str = max(
-                    (s for s in self.stop if self.text.startswith(s, hit)), key=len
-                )
+                self.stop_str = max((s for s in self.stop if self.text.startswith(s, hit)), key=len)
                 end = hit + len(self.stop_str) if self.include_stop else hit
                 self.text = self.text[:end]
                 self.stopped = True

@@ -104,6 +104,7 @@ LAYERS = [
         "llmlib.sampling",
         "llmlib.kv_cache",
         "llmlib.roofline",
+        "llmlib.structured",
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
     {"llmlib.engine"},

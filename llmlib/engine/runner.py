@@ -16,8 +16,8 @@ import torch
 
 from llmlib.attention import AttendingCache
 from llmlib.engine.graphs import PagedDecodeGraphs
-from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.outputs import TokenLogprob
+from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.sequence import ScheduledChunk, Sequence
 from llmlib.model import Transformer
 from llmlib.sampling import sample
@@ -207,7 +207,9 @@ def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask what a sequence may not sample: its end tokens before ``min_tokens``, and whatever
     its grammar forbids (structured output). A grammar that allows only end tokens wins."""
     banned = [
-        i for i, s in enumerate(seqs) if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens
+        i
+        for i, s in enumerate(seqs)
+        if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens
     ]
     matched = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not banned and not matched:
@@ -221,7 +223,11 @@ def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits[matched] = logits[matched].masked_fill(~keep, float("-inf"))
     for i in banned:
         s = seqs[i]
-        ends = [t for t in (s.stop_token_ids | (s.eos_token_ids if not s.ignore_eos else set())) if t < V]
+        ends = [
+            t
+            for t in (s.stop_token_ids | (s.eos_token_ids if not s.ignore_eos else set()))
+            if t < V
+        ]
         if ends:
             row = logits[i].clone()
             row[ends] = float("-inf")

@@ -56,7 +56,11 @@ DEFAULT_PORT = 8000
 
 
 def create_app(
-    engine: AsyncLLM, model_name: str, *, limits: Limits | None = None, aliases: tuple[str, ...] = ()
+    engine: AsyncLLM,
+    model_name: str,
+    *,
+    limits: Limits | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under the model id ``model_name`` (and ``aliases``).
 
@@ -80,7 +84,9 @@ def create_app(
     async def bound_body(request: Request, call_next: Any) -> Any:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            return error(APIError(413, f"the request body is {size} bytes; too large", code="body_too_large"))
+            return error(
+                APIError(413, f"the request body is {size} bytes; too large", code="body_too_large")
+            )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -147,7 +153,12 @@ def create_app(
                 body.prompt, allow_special=True
             )
         strs = [client.token_str(t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": client.context_len, "tokens": ids, "token_strs": strs}
+        return {
+            "count": len(ids),
+            "max_model_len": client.context_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -182,7 +193,9 @@ def create_app(
             body = _sse(ChunkWriter(client, rid, model_name, prep), prep, events, metrics, t0)
             return _SSEResponse(body, events, streams)
         try:
-            return await _complete_watching(request, rid, model_name, prep, client, events, metrics, t0)
+            return await _complete_watching(
+                request, rid, model_name, prep, client, events, metrics, t0
+            )
         finally:
             for s in streams:
                 s.abort()

@@ -29,7 +29,9 @@ class EngineClient:
 
     def __init__(self, engine: AsyncLLM):
         if not isinstance(engine, AsyncLLM):
-            raise TypeError(f"EngineClient serves an llmlib.engine.AsyncLLM, got {type(engine).__name__}")
+            raise TypeError(
+                f"EngineClient serves an llmlib.engine.AsyncLLM, got {type(engine).__name__}"
+            )
         if engine.tokenizer is None:
             raise ValueError("EngineClient: the engine has no tokenizer; give AsyncLLM one")
         self.engine = engine
@@ -66,7 +68,9 @@ class EngineClient:
     def in_flight(self) -> int:
         return self.engine.num_in_flight
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
         """Queue a request now; iterate the result for its outputs, ``abort()`` it to cancel.
 
         Raises :class:`APIError`: 503 when the engine's queue is full, 400 when the engine

@@ -53,12 +53,24 @@ class _EngineCollector:
         yield gauge("num_requests_running", "Sequences running in the engine.", len(sched.running))
         yield gauge("num_requests_waiting", "Sequences waiting to run.", len(sched.waiting))
         yield gauge(
-            "kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1).", bm.num_used_blocks / bm.num_blocks
+            "kv_cache_usage_perc",
+            "Share of KV-cache blocks in use (0-1).",
+            bm.num_used_blocks / bm.num_blocks,
         )
-        yield counter("num_preemptions", "Sequences preempted (recomputed later).", sched.stats.preemptions)
+        yield counter(
+            "num_preemptions", "Sequences preempted (recomputed later).", sched.stats.preemptions
+        )
         bs = bm.block_size
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.num_prefix_queries * bs)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.num_prefix_hit_blocks * bs)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            bm.num_prefix_queries * bs,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            bm.num_prefix_hit_blocks * bs,
+        )
 
 
 class ServerMetrics:
@@ -69,21 +81,44 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
         self.ttft = Histogram(
-            "llmlib:time_to_first_token_seconds", "Time to first token.", lab, buckets=_LATENCY, registry=r
+            "llmlib:time_to_first_token_seconds",
+            "Time to first token.",
+            lab,
+            buckets=_LATENCY,
+            registry=r,
         )
         self.itl = Histogram(
-            "llmlib:inter_token_latency_seconds", "Time between a choice's tokens.", lab, buckets=_ITL, registry=r
+            "llmlib:inter_token_latency_seconds",
+            "Time between a choice's tokens.",
+            lab,
+            buckets=_ITL,
+            registry=r,
         )
         self.e2e = Histogram(
-            "llmlib:e2e_request_latency_seconds", "Request latency, end to end.", lab, buckets=_LATENCY, registry=r
+            "llmlib:e2e_request_latency_seconds",
+            "Request latency, end to end.",
+            lab,
+            buckets=_LATENCY,
+            registry=r,
         )
         self.queue = Histogram(
-            "llmlib:request_queue_time_seconds", "Time waiting before the first step.", lab, buckets=_LATENCY, registry=r
+            "llmlib:request_queue_time_seconds",
+            "Time waiting before the first step.",
+            lab,
+            buckets=_LATENCY,
+            registry=r,
         )
-        self.prompt_tokens = Counter("llmlib:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
-        self.generation_tokens = Counter("llmlib:generation_tokens", "Tokens generated.", lab, registry=r)
+        self.prompt_tokens = Counter(
+            "llmlib:prompt_tokens", "Prompt tokens processed.", lab, registry=r
+        )
+        self.generation_tokens = Counter(
+            "llmlib:generation_tokens", "Tokens generated.", lab, registry=r
+        )
         self.success = Counter(
-            "llmlib:request_success", "Requests finished.", ["model_name", "finished_reason"], registry=r
+            "llmlib:request_success",
+            "Requests finished.",
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         r.register(_EngineCollector(engine, model))
 
@@ -101,7 +136,9 @@ class ServerMetrics:
                 self.ttft.labels(m).observe(now - state["t0"])
                 met = out.metrics
                 if met.first_scheduled_time is not None:
-                    self.queue.labels(m).observe(max(0.0, met.first_scheduled_time - met.arrival_time))
+                    self.queue.labels(m).observe(
+                        max(0.0, met.first_scheduled_time - met.arrival_time)
+                    )
             last = state.setdefault("last", {})
             for o in out.outputs:
                 if o.delta_token_ids:

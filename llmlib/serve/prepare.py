@@ -205,7 +205,9 @@ def completion(client: EngineClient, limits: Limits, body: CompletionRequest) ->
     if not prompts:
         raise bad("'prompt' must not be empty", "prompt")
     if len(prompts) > limits.max_prompts:
-        raise bad(f"'prompt' holds {len(prompts)} prompts; the limit is {limits.max_prompts}", "prompt")
+        raise bad(
+            f"'prompt' holds {len(prompts)} prompts; the limit is {limits.max_prompts}", "prompt"
+        )
     ids_list, texts, chars = [], [], 0
     for one in prompts:
         if isinstance(one, str):
@@ -241,7 +243,9 @@ def completion(client: EngineClient, limits: Limits, body: CompletionRequest) ->
     return Prepared(ids_list, params, False, stream, usage, body.echo, body.logprobs, texts)
 
 
-def chat_prompt(client: EngineClient, limits: Limits, messages: list[ChatMessage], gen: bool) -> str:
+def chat_prompt(
+    client: EngineClient, limits: Limits, messages: list[ChatMessage], gen: bool
+) -> str:
     """The conversation rendered with the model's chat template (ChatML when it has none)."""
     if len(messages) > limits.max_messages:
         raise bad(

@@ -43,7 +43,12 @@ def completion_logprobs(
         top = {client.token_str(t): v for t, v in e.top}
         top.setdefault(s, e.logprob)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(client: EngineClient, entries: list[TokenLogprob]) -> dict[str, list]:
@@ -146,8 +151,16 @@ class ChunkWriter:
             return []
         total = len(self.prep.prompts) * self.prep.params.n
         return [
-            self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+            self.chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
             for i in range(total)
         ]
 
@@ -169,8 +182,17 @@ class ChunkWriter:
                 reason = FINISH.get(o.finish_reason or "stop", o.finish_reason)
                 delta: dict[str, Any] = {"delta": {}} if self.prep.chat else {"text": ""}
                 chunks.append(
-                    self.chunk([{"index": idx, **delta, "logprobs": None, "finish_reason": reason,
-                                 "stop_reason": o.stop_reason}])
+                    self.chunk(
+                        [
+                            {
+                                "index": idx,
+                                **delta,
+                                "logprobs": None,
+                                "finish_reason": reason,
+                                "stop_reason": o.stop_reason,
+                            }
+                        ]
+                    )
                 )
         return chunks
 
@@ -179,8 +201,12 @@ class ChunkWriter:
         if self.prep.chat:
             if self.prep.logprobs is not None:
                 lp = chat_logprobs(self.client, o.delta_logprobs or [])
-            return {"index": idx, "delta": {"content": o.delta_text}, "logprobs": lp,
-                    "finish_reason": None}
+            return {
+                "index": idx,
+                "delta": {"content": o.delta_text},
+                "logprobs": lp,
+                "finish_reason": None,
+            }
         text = ""
         if echo:
             self.echoed.add(idx)
