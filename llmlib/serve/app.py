@@ -35,8 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import llmlib.serve.prepare as prepare
 from llmlib.engine import AsyncLLM, RequestOutput
-from llmlib.serve import prepare
 from llmlib.serve.client import EngineClient, aclose, merged
 from llmlib.serve.metrics import CONTENT_TYPE, ServerMetrics
 from llmlib.serve.protocol import (
