@@ -428,6 +428,8 @@ def test_bench_serve_metrics(server, tmp_path):
             "6",
             "--prompt-words",
             "12",
+            "--range-ratio",
+            "0",
             "--json",
             str(out),
             "--plot",
@@ -444,8 +446,10 @@ def test_bench_serve_metrics(server, tmp_path):
     for m in rep["results"]:
         assert m["completed"] == 4 and m["failed"] == 0
         assert m["total_output_tokens"] == 4 * 6
-        assert 0 < m["median_ttft_ms"] <= m["p99_ttft_ms"]
-        assert 0 < m["median_itl_ms"] <= m["p99_itl_ms"]
+        assert 0 < m["median_ttft_ms"] <= m["p90_ttft_ms"] <= m["p99_ttft_ms"]
+        assert 0 < m["p50_itl_ms"] <= m["p90_itl_ms"] <= m["p99_itl_ms"]
+        assert 0 <= m["goodput"] <= m["request_throughput"]
+        assert m["total_token_throughput"] > m["output_throughput"]
         assert m["median_tpot_ms"] > 0 and m["output_throughput"] > 0
     assert png.stat().st_size > 1000
 
@@ -469,6 +473,16 @@ def test_bench_summary_definitions():
     assert m["output_throughput"] == pytest.approx(9 / 2.0)
     assert m["request_throughput"] == pytest.approx(1.5)
     assert serve_client.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    # goodput: the SLO (TTFT <= 600 ms, TPOT <= 150 ms) holds for the first and third only
+    assert serve_client.summarize(rs, 2.0, 600, 150)["goodput"] == pytest.approx(1.0)
+    # arrivals: gamma with shape 1 is Poisson (mean gap 1/rate); infinite rate sends at once
+    import random
+
+    g = serve_client.gaps(4000, 4.0, 1.0, random.Random(0))
+    assert sum(g) / len(g) == pytest.approx(0.25, rel=0.05)
+    assert serve_client.gaps(3, float("inf"), 1.0, random.Random(0)) == [0.0] * 3
+    reqs = serve_client.make_requests(50, 40, 10, 0.5, seed=1, long_every=10, long_words=300)
+    assert sum(q.long for q in reqs) == 5 and all(5 <= q.max_tokens <= 15 for q in reqs)
 
 
 def test_serve_cli_rejects_bad_args():
