@@ -7,6 +7,7 @@
 * :mod:`~llmlib.engine.graphs` — fixed-shape decode steps, replayed from CUDA graphs on a GPU;
 * :mod:`~llmlib.engine.runner` — a step's chunks through the model, and sampling;
 * :mod:`~llmlib.engine.outputs` — what the engine reports;
+* :mod:`~llmlib.engine.request` — a request's choices, their text and log-probabilities;
 * :mod:`~llmlib.engine.llm` — :class:`LLM`, requests in and text out;
 * :mod:`~llmlib.engine.async_llm` — :class:`AsyncLLM`, the engine in a thread, for servers.
 """
