@@ -349,3 +349,25 @@ def test_deeply_nested_body_is_400(server):
     )
     assert r.status_code == 400 and r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_body_size_is_bounded(server):
+    big = b'{"model": "tiny-random", "prompt": "' + b"x" * 400_000 + b'"}'
+    r = httpx.post(
+        server.url + "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the body is counted as it arrives
+        yield b'{"model": "tiny-random", "prompt": "'
+        for _ in range(40):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -80,14 +80,7 @@ def create_app(
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def bound_body(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            return error(
-                APIError(413, f"the request body is {size} bytes; too large", code="body_too_large")
-            )
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, limit=limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,6 +194,41 @@ def create_app(
                 s.abort()
 
     return app
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _BodyLimit:
+    """Refuse a body over ``limit`` bytes: at once from its Content-Length (413), or while it
+    streams in without one (the read fails, and FastAPI answers 400)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.limit:
+            e = APIError(
+                413, f"the request body is {int(size)} bytes; too large", code="body_too_large"
+            )
+            return await JSONResponse(e.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def bounded() -> Any:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b"")) if msg["type"] == "http.request" else 0
+            if seen > self.limit:
+                while msg["type"] == "http.request" and msg.get("more_body", False):
+                    msg = await receive()  # dropped unread, so the client gets its answer
+                raise _TooLarge(f"the request body is over {self.limit} bytes")
+            return msg
+
+        await self.app(scope, bounded, send)
 
 
 def _line(obj: dict) -> bytes:
