@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     if k:
-        print(f"the server kept up with offered load up to {k['request_rate']:g} req/s", flush=True)
+        print(
+            f"below the knee: median TTFT within 2x of the lowest rate's up to {k['request_rate']:g} "
+            "req/s",
+            flush=True,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

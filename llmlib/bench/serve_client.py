@@ -116,6 +116,7 @@ def summarize(
     m.update(_stats("e2el", [r.latency for r in ok]))
     if any(r.long for r in results):  # the short requests' gaps, with long prompts among them
         m.update(_stats("itl_short", [g for r in ok if not r.long for g in r.itl]))
+        m.update(_stats("ttft_long", [r.ttft for r in ok if r.long]))
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         m["errors"] = errors[:5]
@@ -284,17 +285,22 @@ def make_prompts(n: int, words: int = 48, seed: int = 0) -> list[str]:
     return [q.prompt for q in make_requests(n, words, 1, 0.0, seed)]
 
 
-def knee(results: list[dict[str, Any]], tolerance: float = 0.9) -> dict[str, Any] | None:
-    """The highest finite offered rate the server still kept up with (completed requests per
-    second at least ``tolerance`` times the offered rate): past it, requests queue and TTFT climbs."""
-    kept = [
-        m
-        for m in results
-        if m.get("request_rate")
-        and not math.isinf(m["request_rate"])
-        and m["request_throughput"] >= tolerance * m["request_rate"]
-    ]
-    return max(kept, key=lambda m: m["request_rate"]) if kept else None
+def knee(results: list[dict[str, Any]], factor: float = 2.0) -> dict[str, Any] | None:
+    """The highest finite offered rate below the knee of the latency curve: its median TTFT is
+    within ``factor`` times the median TTFT at the lowest rate, i.e. requests were not yet
+    queueing. Past it, requests arrive faster than the engine finishes them, and TTFT climbs."""
+    rated = sorted(
+        (m for m in results if m.get("request_rate") and not math.isinf(m["request_rate"])),
+        key=lambda m: m["request_rate"],
+    )
+    if not rated or not rated[0]["completed"]:
+        return None
+    base, best = rated[0]["p50_ttft_ms"], None
+    for m in rated:
+        if not m["completed"] or m["p50_ttft_ms"] > factor * base:
+            break
+        best = m
+    return best
 
 
 def plot(
