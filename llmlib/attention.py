@@ -94,9 +94,8 @@ def sdpa_attention(
     if mask is None:
         if T == S or T == 1:  # square causal grid; or one query that may see every key
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        mask = causal_mask(
-            T, S, q.device
-        )  # SDPA's is_causal aligns to the top-left; we need bottom-right
+        # SDPA's is_causal aligns to the top-left; we need bottom-right
+        mask = causal_mask(T, S, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -134,9 +133,8 @@ def tiled_attention(
         m = torch.full((*qt.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 - the FlashAttention paper's name for the denominator
         acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
-        k_end = (
-            S if mask is not None else min(S, offset + q1)
-        )  # keys past the last query's position never count
+        # keys past the last query's position never count
+        k_end = S if mask is not None else min(S, offset + q1)
         for k0 in range(0, k_end, block_k):
             k1 = min(k0 + block_k, k_end)
             s = (qt @ kg[..., k0:k1, :].transpose(-2, -1)).float()  # one [bq, bk] tile per head
@@ -147,9 +145,8 @@ def tiled_attention(
                 kpos = torch.arange(k0, k1, device=q.device)[None, :]
                 s = s.masked_fill(kpos > qpos, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_safe = torch.where(
-                torch.isinf(m_new), torch.zeros_like(m_new), m_new
-            )  # rows with nothing visible yet
+            # rows with nothing visible yet
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe)
             correction = torch.exp(m - m_safe)
             l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741

@@ -32,9 +32,8 @@ class Transformer(nn.Module):
             raise TypeError(f"Transformer expects a ModelConfig, got {type(cfg).__name__}")
         self.config = cfg
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, device)
-        self.rope = RotaryTables.from_config(
-            cfg
-        )  # cos/sin for every position, computed once (on CPU)
+        # cos/sin for every position, computed once (on CPU)
+        self.rope = RotaryTables.from_config(cfg)
         if device is not None and torch.device(device).type != "meta":
             self.rope.to(device)
         self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
