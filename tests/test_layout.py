@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -174,6 +175,11 @@ def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
     """``pip wheel .`` holds everything a user needs: installed into a throwaway environment that
     reuses this environment's dependencies, it imports from site-packages (not from the checkout),
     runs ``llmlib costs`` and generates a few tokens with a tiny random model."""
+    # build from a copy, so setuptools' build/ and egg-info never land in the checkout
+    src = tmp_path / "src"
+    shutil.copytree(PKG, src / "llmlib", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -186,7 +192,7 @@ def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(wheels),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         timeout=600,
