@@ -87,6 +87,7 @@ LAYERS = [
     {
         "llmlib._lazy",
         "llmlib.config",
+        "llmlib.families",
         "llmlib.dtypes",
         "llmlib.shapes",
         "llmlib.gpus",
@@ -98,6 +99,7 @@ LAYERS = [
         "llmlib.linear",
         "llmlib.embedding",
         "llmlib.rope",
+        "llmlib.norm",
         "llmlib.attention",
         "llmlib.block",
         "llmlib.model",
