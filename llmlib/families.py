@@ -49,12 +49,17 @@ FAMILIES: dict[str, Family] = {
             "routed experts: each token runs the top k of E SwiGLU FFNs",
             ("n_experts", "n_experts_per_token", "sliding_window"),
         ),
-        Family("qwen2", "Qwen2, Qwen2.5", "biases on q, k and v", ("qkv_bias", "sliding_window")),
+        Family(
+            "qwen2",
+            "Qwen2, Qwen2.5",
+            "biases on q, k and v",
+            ("qkv_bias", "sliding_window", "layer_types"),
+        ),
         Family(
             "qwen3",
             "Qwen3",
             "RMSNorm over each head's q and k before RoPE; no biases",
-            ("qk_norm", "sliding_window"),
+            ("qk_norm", "sliding_window", "layer_types"),
         ),
         Family(
             "qwen3_moe",

@@ -354,6 +354,33 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
         torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0, msg=name)
 
 
+def test_llm_reads_a_folder_itself(saved) -> None:
+    """``LLM(path)``: the engine's own load_model call, prompts as token ids (no tokenizer)."""
+    folder = saved["gemma3_text"][1]
+    gen = llmlib.Generator(llmlib.load_model(folder), IdTokenizer())
+    prompts = [[5, 6, 7] * 4, list(range(1, 30))]
+    ref = [gen.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    llm = llmlib.LLM(folder, num_blocks=64, block_size=4)
+    outs = llm.generate(prompts, llmlib.SamplingParams(max_tokens=12, temperature=0.0))
+    assert [o.token_ids for o in outs] == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_attention_bias_on_every_projection(tmp_path: Path, family: str) -> None:
+    """attention_bias=true (Llama-style configs, Qwen3): biases on q, k, v and o."""
+    hf = _hf_model(family, attention_bias=True)
+    if family == "mistral":  # MistralConfig has no such field: write it as a Llama config
+        cfg = transformers.LlamaConfig(**{**COMMON, **CASES[family][2], "attention_bias": True})
+        cfg.sliding_window = None
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        _perturb(hf)
+    hf.save_pretrained(tmp_path)
+    model = llmlib.load_model(tmp_path, device="cpu")
+    assert model.config.qkv_bias and model.config.out_bias
+    assert _max_diff(model, hf, _ids()) < TOL
+
+
 def test_a_cache_without_windows_is_refused(saved) -> None:
     class OldCache:
         def update(self, layer, k, v, positions):
@@ -444,6 +471,26 @@ def test_gemma_fields_not_implemented_fail(saved) -> None:
             ModelConfig.from_hf_dict({**d, **edit})
 
 
+def test_hub_style_windows_that_are_off() -> None:
+    """Qwen2.5 on the hub: sliding_window is set but use_sliding_window is false; Mistral v0.3:
+    sliding_window null. Neither model slides."""
+    base = {
+        "vocab_size": 50,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
+    qwen = {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 32768}
+    c = ModelConfig.from_hf_dict({**base, **qwen, "max_window_layers": 2})
+    assert c.qkv_bias and [c.window(i) for i in range(4)] == [None] * 4
+    c = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": None})
+    assert c.sliding_window is None and not c.tie_embeddings
+    c = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert [c.window(i) for i in range(4)] == [4096] * 4
+
+
 def test_hub_style_gemma3_config() -> None:
     """Configs on the hub carry rope_theta, rope_local_base_freq and rope_scaling at top level."""
     d = {
@@ -490,18 +537,27 @@ def test_shape_table_covers_every_family(saved) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_checkpoints_keep_their_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+def test_half_precision_checkpoints_keep_their_dtype(
+    tmp_path: Path, dtype: torch.dtype, family: str
+) -> None:
     from safetensors.torch import load_file
 
-    hf = _hf_model("qwen2").to(dtype)
+    hf = _hf_model(family).to(dtype)
     hf.save_pretrained(tmp_path)
     on_disk = load_file(tmp_path / "model.safetensors")
     assert {t.dtype for t in on_disk.values()} == {dtype}
     model = llmlib.load_model(tmp_path, device="cpu", dtype=dtype)
     sd = model.state_dict()
     assert {t.dtype for t in sd.values()} == {dtype}
-    assert torch.equal(sd["layers.1.attn.wk.bias"], on_disk["model.layers.1.self_attn.k_proj.bias"])
-    assert torch.equal(sd["embed.weight"], on_disk["model.embed_tokens.weight"])
+    for ours, theirs in (
+        ("embed.weight", "model.embed_tokens.weight"),
+        ("layers.1.attn.wk.weight", "model.layers.1.self_attn.k_proj.weight"),
+        ("layers.1.ffn_norm.weight", "model.layers.1.pre_feedforward_layernorm.weight")
+        if family == "gemma3_text"
+        else ("layers.1.attn.wk.bias", "model.layers.1.self_attn.k_proj.bias"),
+    ):
+        assert torch.equal(sd[ours], on_disk[theirs]), ours  # the file's own numbers
     wide = llmlib.load_model(tmp_path, device="cpu", dtype=torch.float32)
     assert torch.equal(wide.state_dict()["embed.weight"], sd["embed.weight"].float())
     ids = _ids(1)
@@ -558,10 +614,10 @@ def _write_gguf(path: Path, arch: str, cfg: ModelConfig, sd: dict[str, torch.Ten
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_gguf_of_qwen_architectures(saved, tmp_path: Path, family: str) -> None:
     hf, folder = saved[family]
-    cfg = llmlib.load_model(folder).config.replace(sliding_window=None, layer_types=())
-    hf.config.use_sliding_window, hf.config.sliding_window = False, None  # GGUF has no window
-    hf.config.layer_types = ["full_attention"] * cfg.n_layers
     from llmlib.checkpoints.hf import read_hf_folder
+
+    # GGUF metadata has no sliding window: compare with the same weights attending in full
+    cfg = llmlib.load_model(folder).config.replace(sliding_window=None, layer_types=())
 
     _, sd = read_hf_folder(folder)
     path = _write_gguf(tmp_path / f"{family}.gguf", family, cfg, sd)
