@@ -180,9 +180,8 @@ def tiled_attention(
         m = torch.full((*qt.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 - the FlashAttention paper's name for the denominator
         acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
-        k_end = (
-            S if mask is not None else min(S, offset + q1)
-        )  # keys past the last query's position never count
+        # keys past the last query's position never count
+        k_end = S if mask is not None else min(S, offset + q1)
         # keys before the window of the tile's first query never count either
         k_start = 0 if window is None else max(0, offset + q0 - window + 1)
         for k0 in range(k_start, k_end, block_k):
@@ -201,9 +200,8 @@ def tiled_attention(
                     hidden |= kpos <= qpos - window
                 s = s.masked_fill(hidden, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_safe = torch.where(
-                torch.isinf(m_new), torch.zeros_like(m_new), m_new
-            )  # rows with nothing visible yet
+            # rows with nothing visible yet
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe)
             correction = torch.exp(m - m_safe)
             l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741

@@ -35,9 +35,8 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.scale = scale
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model, device=device))
-        if (
-            self.weight.device.type != "meta"
-        ):  # a loader builds on meta and fills from the checkpoint
+        # a loader builds on meta and fills from the checkpoint
+        if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -161,9 +161,8 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
         sizes = [-(-p.numel() // step) * step for p in mats]
         total = sum(sizes)
         pad = _HUGE_PAGE // elt
-        arena = torch.empty(
-            total + pad, dtype=dtype
-        )  # untouched memory: pages are allocated on first write
+        # untouched memory: pages are allocated on first write
+        arena = torch.empty(total + pad, dtype=dtype)
         ptr = arena.data_ptr()
         aligned = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
         if huge_pages:

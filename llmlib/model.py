@@ -38,9 +38,8 @@ class Transformer(nn.Module):
         self.config = cfg
         scale = cfg.d_model**0.5 if cfg.scale_embeddings else None
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, device, scale)
-        self.rope = RotaryTables.from_config(
-            cfg
-        )  # cos/sin for every position, computed once (on CPU)
+        # cos/sin for every position, computed once (on CPU)
+        self.rope = RotaryTables.from_config(cfg)
         local = [i for i in range(cfg.n_layers) if cfg.local_rope(i)]
         self.rope_local = RotaryTables.from_config(cfg, local=True) if local else None
         self._local_layers = frozenset(local)

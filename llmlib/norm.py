@@ -38,9 +38,8 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return (x32 * (self.offset + self.weight.float())).to(x.dtype)
-        if (
-            x.dtype == torch.float32
-        ):  # PyTorch's fused kernel: one call instead of five, same numbers
+        # float32: PyTorch's fused kernel, one call instead of five, same numbers
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()

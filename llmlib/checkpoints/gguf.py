@@ -331,9 +331,8 @@ def read_gguf(
             continue
         shape = _tensor_shape(t)
         try:
-            w = dequantize(
-                reader.raw(t.name), t.ggml_type, shape, t.name
-            )  # ValueError on a short buffer
+            # ValueError on a short buffer
+            w = dequantize(reader.raw(t.name), t.ggml_type, shape, t.name)
         except (TypeError, IndexError, OSError) as e:  # a memory map cut short by a truncated file
             raise ValueError(
                 f"{t.name}: cannot read its data ({e}); the file is truncated or corrupt"

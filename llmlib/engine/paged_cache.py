@@ -160,9 +160,8 @@ def write_kv(
     """Scatter the new keys/values ``[B, Hkv, T, hd]`` of ``layer`` into their pool slots."""
     B, H, T, D = k.shape
     flat = (-1, H, D)
-    k_new = k.transpose(1, 2).reshape(
-        B * T, H, D
-    )  # [B*T, Hkv, hd]; a view for the model's q/k/v split
+    # [B*T, Hkv, hd]; a view for the model's q/k/v split
+    k_new = k.transpose(1, 2).reshape(B * T, H, D)
     v_new = v.transpose(1, 2).reshape(B * T, H, D)
     if layout.write_index is not None:  # drop padding columns
         k_new, v_new = k_new[layout.write_index], v_new[layout.write_index]
@@ -199,9 +198,8 @@ def paged_attend(
     for c in layout.prefills:
         kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
         vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
-        o = attention(
-            q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None
-        )  # [1, H, n, D]
+        # [1, H, n, D]
+        o = attention(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None)
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
     for g in layout.decodes:
         n = len(g.rows)
@@ -254,9 +252,8 @@ class PagedStep:
                 blocks = [int(x) for x in c.block_table[:need]]
                 pos = torch.arange(c.start, end)
                 positions[b, t0 : t0 + c.length] = pos
-                slots.append(
-                    torch.as_tensor(blocks)[pos // bs] * bs + pos % bs
-                )  # position p: block p // bs, slot p % bs
+                # position p: block p // bs, slot p % bs
+                slots.append(torch.as_tensor(blocks)[pos // bs] * bs + pos % bs)
                 index.append(b * T + t0 + torch.arange(c.length))
                 if c.length == 1:
                     decodes.append(DecodeToken(b, t0, c.start, blocks))
@@ -266,24 +263,21 @@ class PagedStep:
                     )
                 t0 += c.length
         write_slots = torch.cat(slots).to(dev)
-        write_index = (
-            None if len(write_slots) == B * T else torch.cat(index).to(dev)
-        )  # None: no padding
+        # None: no padding
+        write_index = None if len(write_slots) == B * T else torch.cat(index).to(dev)
         # Single-token chunks attend in batched calls, each over a [n, nb * bs] gather padded to
         # its longest member; padding is read and masked for nothing, so rows are sorted by length
         # and cut into groups of similar lengths (see _group_by_length).
         groups = []
         for group in _group_by_length(decodes, bs):
             nb = max(len(d.blocks) for d in group)
-            table = torch.zeros(
-                (len(group), nb), dtype=torch.long
-            )  # padding repeats block 0, masked below
+            # padding repeats block 0, masked below
+            table = torch.zeros((len(group), nb), dtype=torch.long)
             for i, d in enumerate(group):
                 table[i, : len(d.blocks)] = torch.as_tensor(d.blocks)
             q_pos = torch.tensor([d.position for d in group])
-            mask = (
-                torch.arange(nb * bs)[None, :] <= q_pos[:, None]
-            )  # key position <= the query's position
+            # key position <= the query's position
+            mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]
             groups.append(
                 DecodeGroup(
                     torch.tensor([d.row for d in group], device=dev),
@@ -348,9 +342,8 @@ class PagedStep:
             B, T = self.shape
             nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in self.rows)
             S = nb * bs
-            q_seq = torch.full(
-                (B, T), -1, dtype=torch.long
-            )  # which chunk (in its row) each query is
+            # which chunk (in its row) each query is
+            q_seq = torch.full((B, T), -1, dtype=torch.long)
             k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
             k_pos = torch.zeros((B, S), dtype=torch.long)
             gather = torch.zeros((B, nb), dtype=torch.long)  # padding repeats block 0
