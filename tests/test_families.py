@@ -567,9 +567,12 @@ def test_half_precision_checkpoints_keep_their_dtype(
 
 
 def _write_gguf(path: Path, arch: str, cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> Path:
-    """What llama.cpp's converter writes for a Qwen2/Qwen3 checkpoint: GGUF names, rows as they are
-    (these architectures rotate split halves in llama.cpp too, so nothing is permuted)."""
+    """What llama.cpp's converter writes: GGUF names, and for ``llama`` the rows of W_q and W_k
+    permuted for its interleaved RoPE (:func:`~llmlib.checkpoints.gguf.permute_qk`). ``qwen2`` and
+    ``qwen3`` rotate split halves in llama.cpp too, so their rows are written as they are."""
     import gguf
+
+    from llmlib.checkpoints.gguf import permute_qk
 
     names = {
         "attn_norm": "attn_norm",
@@ -603,6 +606,8 @@ def _write_gguf(path: Path, arch: str, cfg: ModelConfig, sd: dict[str, torch.Ten
         else:
             _, i, rest = stem.split(".", 2)
             name = f"blk.{i}.{names[rest]}.{kind}"
+            if arch == "llama" and rest in ("attn.wq", "attn.wk"):
+                t = permute_qk(t, cfg.n_heads if rest == "attn.wq" else cfg.n_kv_heads)
         w.add_tensor(name, t.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -611,20 +616,28 @@ def _write_gguf(path: Path, arch: str, cfg: ModelConfig, sd: dict[str, torch.Ten
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_gguf_of_qwen_architectures(saved, tmp_path: Path, family: str) -> None:
-    hf, folder = saved[family]
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_gguf_files_load_to_transformers_logits(saved, tmp_path: Path, family: str) -> None:
+    """Qwen2 and Qwen3 GGUF files (and, for contrast, a Llama one with its Q/K rows permuted)
+    written from random transformers checkpoints load to transformers' logits."""
     from llmlib.checkpoints.hf import read_hf_folder
 
-    # GGUF metadata has no sliding window: compare with the same weights attending in full
+    if family == "llama":
+        fields = {**COMMON, **CASES["mistral"][2], "sliding_window": None}
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+        _perturb(hf)
+        hf.save_pretrained(folder := tmp_path / "hf")
+        hf_full = hf
+    else:
+        hf, folder = saved[family]
+        hf_full = _hf_model(family, use_sliding_window=False)  # GGUF metadata has no window
+        hf_full.load_state_dict(hf.state_dict())
     cfg = llmlib.load_model(folder).config.replace(sliding_window=None, layer_types=())
-
     _, sd = read_hf_folder(folder)
     path = _write_gguf(tmp_path / f"{family}.gguf", family, cfg, sd)
     model = llmlib.load_model(path, device="cpu")
     got = model.config
     assert (got.family, got.qkv_bias, got.qk_norm) == (family, family == "qwen2", family == "qwen3")
     assert got.head_dim == cfg.head_dim and got.tie_embeddings == cfg.tie_embeddings
-    hf_full = _hf_model(family, use_sliding_window=False)
-    hf_full.load_state_dict(hf.state_dict())
     assert _max_diff(model, hf_full, _ids()) < TOL
