@@ -36,15 +36,16 @@ def _packing_available() -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when it is valid
-    and ``x`` holds more than one row, else ``F.linear``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when
+    it is valid and ``x`` holds more than one row, else ``F.linear``. ``bias [out]`` is optional
+    (Qwen2's q, k, v projections have one)."""
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
         p, ptr, version = packed
         if ptr == weight.data_ptr() and version == weight._version:
-            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    return F.linear(x, weight)
+            return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def pack_weights(model: nn.Module) -> int:

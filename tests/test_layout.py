@@ -88,6 +88,7 @@ LAYERS = [
     {
         "llmlib._lazy",
         "llmlib.config",
+        "llmlib.families",
         "llmlib.dtypes",
         "llmlib.shapes",
         "llmlib.gpus",
@@ -106,6 +107,7 @@ LAYERS = [
         "llmlib.linear",
         "llmlib.embedding",
         "llmlib.rope",
+        "llmlib.norm",
         "llmlib.attention",
         "llmlib.block",
         "llmlib.model",
