@@ -36,15 +36,16 @@ def _packing_available() -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when it is valid
-    and ``x`` holds more than one row, else ``F.linear``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when
+    it is valid and ``x`` holds more than one row, else ``F.linear``. ``bias [out]`` is optional
+    (Qwen2's q, k, v projections have one)."""
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
         p, ptr, version = packed
         if ptr == weight.data_ptr() and version == weight._version:
-            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    return F.linear(x, weight)
+            return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def pack_weights(model: nn.Module) -> int:
@@ -160,9 +161,8 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
         sizes = [-(-p.numel() // step) * step for p in mats]
         total = sum(sizes)
         pad = _HUGE_PAGE // elt
-        arena = torch.empty(
-            total + pad, dtype=dtype
-        )  # untouched memory: pages are allocated on first write
+        # untouched memory: pages are allocated on first write
+        arena = torch.empty(total + pad, dtype=dtype)
         ptr = arena.data_ptr()
         aligned = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
         if huge_pages:

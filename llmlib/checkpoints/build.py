@@ -100,7 +100,7 @@ def build_model(
     # The pre-load hooks concatenate q/k/v and gate/up into their fused matrices on the way in.
     state = {k: v.to(device=place.device, dtype=place.dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.rope.reset(place.device)  # the cos/sin tables are derived from the config, never loaded
+    model.reset_rotary(place.device)  # the cos/sin tables come from the config, never loaded
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     prepare_cpu_weights(model)  # CPU only: decode and batch layouts (llmlib.linear)
     return model.eval()
