@@ -329,13 +329,37 @@ def sample(
         return out
     rows = [i for i, g in enumerate(greedy) if not g]
     sub = logits[rows]
-    filtered = filter_logits(sub, *_param_tensors([params[i] for i in rows], V, logits.device))
+    kept = [params[i] for i in rows]
+    if any(_filters(p) for p in kept):
+        filtered = filter_logits(sub, *_param_tensors(kept, V, logits.device))
+    else:  # temperature alone: no sort needed (the sort is most of a draw's cost)
+        filtered = sub / torch.tensor([p.temperature for p in kept], device=sub.device).unsqueeze(1)
     probs = filtered.softmax(dim=-1)
-    for j, i in enumerate(rows):
-        g = generators[i] if generators is not None else None
-        # one multinomial draw per row, so each row consumes only its own random stream
-        out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+    gens = [generators[i] if generators is not None else None for i in rows]
+    out[rows] = draw(probs, gens)
     return out
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V], by inverting the row's cumulative distribution at a
+    uniform draw from the row's own generator (torch's global one where None): a row consumes
+    only its own random stream, and all rows share one cumulative sum and one search."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.empty(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype)
+    free = [r for r, g in enumerate(generators) if g is None]
+    if free:
+        u[free] = torch.rand(len(free), 1, device=probs.device, dtype=cdf.dtype)
+    for r, g in enumerate(generators):
+        if g is not None:
+            u[r] = torch.rand(1, generator=g, device=probs.device, dtype=cdf.dtype)
+    # right=True: the first token whose cumulative mass passes u, so one of zero mass never wins
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def _filters(p: SamplingParams) -> bool:
+    """Does any of top-k, top-p, min-p cut this row's distribution?"""
+    return bool(p.top_k) or (p.top_p is not None and p.top_p < 1.0) or bool(p.min_p)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

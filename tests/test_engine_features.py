@@ -94,6 +94,9 @@ def test_max_tokens_zero_scores_the_prompt(model, tok):
     assert [e.logprob for e in o.prompt_logprobs[1:]] == pytest.approx(
         [lp[j - 1, ids[j]].item() for j in range(1, len(ids))], abs=1e-5
     )
+    two = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0, n=2), use_tqdm=False)
+    assert [c.token_ids for c in two[0].outputs] == [[], []]
+    assert llm.block_manager.num_used_blocks == 0
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
 

@@ -281,6 +281,10 @@ class LLM:
             return []
         parent.num_computed_tokens = c.start + c.length
         children, parent.forks = parent.forks, []
+        if parent.max_tokens == 0:  # a prompt scored: no choice generates anything
+            for child in children:
+                self.scheduler.finish(child, "length")
+            return children
         for child in children:
             copies = self.block_manager.fork(parent, child)
             if copies is not None:
