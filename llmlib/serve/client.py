@@ -85,6 +85,13 @@ class EngineClient:
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(i, output)`` from several requests' streams as they come; closing it aborts them all."""
+    if len(streams) == 1:  # the usual case: no task per output
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
     pending: dict[asyncio.Future, int] = {}
     try:
         for i, s in enumerate(streams):

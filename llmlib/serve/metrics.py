@@ -121,32 +121,37 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_EngineCollector(engine, model))
+        # the labelled series, looked up once (observe runs for every engine output)
+        self._ttft, self._itl, self._e2e, self._queue = (
+            h.labels(model) for h in (self.ttft, self.itl, self.e2e, self.queue)
+        )
+        self._prompt, self._gen = (
+            self.prompt_tokens.labels(model),
+            self.generation_tokens.labels(model),
+        )
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
     def observe(self, out: RequestOutput, now: float, state: dict[str, Any]) -> None:
         """Account one engine output of a request accepted at ``state['t0']``."""
-        m = self.model
         n_new = sum(len(o.delta_token_ids) for o in out.outputs)
         if n_new:
-            self.generation_tokens.labels(m).inc(n_new)
+            self._gen.inc(n_new)
             if "first" not in state:
                 state["first"] = now
-                self.ttft.labels(m).observe(now - state["t0"])
+                self._ttft.observe(now - state["t0"])
                 met = out.metrics
                 if met.first_scheduled_time is not None:
-                    self.queue.labels(m).observe(
-                        max(0.0, met.first_scheduled_time - met.arrival_time)
-                    )
+                    self._queue.observe(max(0.0, met.first_scheduled_time - met.arrival_time))
             last = state.setdefault("last", {})
             for o in out.outputs:
                 if o.delta_token_ids:
                     if o.index in last:
-                        self.itl.labels(m).observe(now - last[o.index])
+                        self._itl.observe(now - last[o.index])
                     last[o.index] = now
         if out.finished:
-            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-            self.e2e.labels(m).observe(now - state["t0"])
+            self._prompt.inc(len(out.prompt_token_ids))
+            self._e2e.observe(now - state["t0"])
             for o in out.outputs:
-                self.success.labels(m, o.finish_reason or "stop").inc()
+                self.success.labels(self.model, o.finish_reason or "stop").inc()
