@@ -79,6 +79,7 @@ def test_config_has_repository_issue_download_and_launch_buttons() -> None:
     assert launch["binderhub_url"].startswith("https://mybinder.org")
 
 
+@pytest.mark.pages  # runs after the strict build (`make test`'s pages step)
 def test_built_pages_carry_the_buttons() -> None:
     page = ROOT / "_build" / "html" / "chapters" / "01_the_inference_path.html"
     if not page.exists():
