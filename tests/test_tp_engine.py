@@ -134,11 +134,34 @@ def test_tp2_equals_tp1(which: str, request) -> None:
             assert r.allreduce_calls == r.steps * (1 + 2 * CFG.n_layers)
         # each rank's pool holds its own KV head of the two
         assert reports[0].pool_bytes == ref.kv_cache_bytes // 2
+        # rank 0's shard alone would wait for ranks that are not running it: refused at once
+        with pytest.raises(RuntimeError, match="one rank's shard"):
+            llm.model(torch.tensor([[1, 2, 3]]))
+        assert _run(llm, PROMPTS[:2]) == ref_tokens[:2]  # and the group is still in step
         pids = llm._tp.pids
     time.sleep(0.1)
     for pid in pids.values():
         if pid != os.getpid():
             assert not _alive(pid), f"rank process {pid} outlived shutdown()"
+
+
+def test_the_async_engine_runs_split_and_stops_its_ranks(untied: Path) -> None:
+    """The server's engine (AsyncLLM, stepping in its own thread beside the heartbeat) on two
+    ranks: the same tokens, and shutdown() stops the worker it started."""
+    import asyncio
+
+    from llmlib.engine import AsyncLLM
+
+    ref = llmlib.LLM(untied, **ENGINE).generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    engine = AsyncLLM(str(untied), tensor_parallel_size=2, **ENGINE).start()
+    pid = engine.llm._tp.pids[1]
+    try:
+        out = asyncio.run(engine.generate(PROMPTS[0], GREEDY))
+    finally:
+        engine.shutdown()
+    assert out.token_ids == ref[0].token_ids
+    time.sleep(0.1)
+    assert not _alive(pid)
 
 
 @pytest.mark.model

@@ -103,6 +103,10 @@ class LLM:
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
+
+    ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
+    process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
+    stops the others. ``tp_options``: a :class:`llmlib.parallel.TPOptions`.
     """
 
     def __init__(
@@ -126,18 +130,11 @@ class LLM:
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         if tensor_parallel_size != 1:
-            from llmlib.checkpoints import load_tokenizer_for
-            from llmlib.parallel.driver import start
+            from llmlib.parallel.driver import start_engine
 
-            if not isinstance(model, (str, Path)):
-                raise ValueError(
-                    "tensor_parallel_size > 1 needs a checkpoint path: every rank reads its own "
-                    "slice of the weights from it"
-                )
-            self._tp = start(model, tensor_parallel_size, device, dtype, tp_options)
-            model_obj = self._tp.model  # rank 0's shard
-            if tokenizer is None:
-                tokenizer = load_tokenizer_for(Path(model), required=False)
+            self._tp, model_obj, tokenizer = start_engine(
+                model, tensor_parallel_size, device, dtype, tokenizer, tp_options
+            )
             cuda_graphs = False  # each step is a round of collectives: no graph replay
         elif isinstance(model, (str, Path)):
             from llmlib.checkpoints import load_model, load_tokenizer_for
@@ -408,6 +405,8 @@ class LLM:
         self._stats = EngineStats()
         self.runner.forward_passes = 0
         self._block_hits0 = self.block_manager.num_prefix_hit_blocks
+        if self._tp is not None:
+            self._tp.reset_stats()  # every rank's step and all-reduce counters
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -48,11 +48,19 @@ class Comm:
         self.group, self.rank, self.size = group, rank, size
         self.timing = timing
         self.stats = CommStats()
+        # Off outside the engine's steps: rank 0's shard run on its own (``llm.model(ids)``)
+        # would wait in its first all-reduce for ranks that are not running it.
+        self.armed = True
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         if self.size == 1:
             return x
+        if not self.armed:
+            raise RuntimeError(
+                "this is one rank's shard of a tensor-parallel model: it runs only inside the "
+                "engine's steps (LLM.generate / LLM.step), where every rank runs it together"
+            )
         cuda = x.is_cuda
         timed = self.timing if self.timing is not None else not cuda
         if timed and cuda:

@@ -21,12 +21,8 @@ Failure is always an exception, never a hang:
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -43,11 +39,13 @@ from llmlib.parallel import plan as P
 from llmlib.parallel.comm import CollectiveError
 from llmlib.parallel.group import (
     DistEnv,
+    LocalWorker,
     Spec,
     TensorParallelError,
     close_groups,
     connect,
     driver_store,
+    exit_reason,
     listen,
     read_errors,
     report_error,
@@ -73,51 +71,12 @@ class TPOptions:
         return max(30.0, 6 * self.heartbeat_s)
 
 
-class _Worker:
-    """A worker process llmlib started, with the tail of its output kept for error messages."""
-
-    def __init__(self, rank: int, env: dict[str, str]) -> None:
-        self.rank = rank
-        self.tail: collections.deque[str] = collections.deque(maxlen=20)
-        cmd = [sys.executable, "-m", "llmlib.parallel.worker"]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
-        self.reader = threading.Thread(target=self._read, daemon=True, name=f"tp-rank-{rank}-out")
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.tail.append(line.rstrip())
-            print(f"[tp rank {self.rank}] {line}", end="", file=sys.stderr)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(grace_s)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is None:
-                self.proc.send_signal(sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(5)
-        self.reader.join(2)
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class Driver:
     """Rank 0 and its link to the others: :meth:`send` a command to every rank, run it here."""
 
     def __init__(self, tp: int, spec: Spec, options: TPOptions, store: Any) -> None:
         self.tp, self.spec, self.options, self.store = tp, spec, options, store
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, LocalWorker] = {}
         self.rank: Rank | None = None
         self.encoder = P.PlanEncoder()
         self._lock = threading.Lock()
@@ -147,7 +106,18 @@ class Driver:
         return TPModelRunner(self, num_blocks, block_size)
 
     def send(self, cmd: int, payload: Seq[int] = ()) -> Any:
-        """Tell every rank to run ``cmd``, run it here too, return rank 0's result."""
+        """Tell every rank to run ``cmd``, run it here too, return rank 0's result.
+
+        Every command but the heartbeat also tells the ranks which sequences have let go of
+        their blocks since the last one (from the engine's thread, the one that changes them).
+        """
+        return self._send(cmd, lambda: list(payload))
+
+    def step(self, chunks: Seq[Any], select: Seq[int]) -> Any:
+        """One forward pass on every rank: the logits at ``select`` (on rank 0)."""
+        return self._send(P.STEP, lambda: self.encoder.step(chunks, select))
+
+    def _send(self, cmd: int, payload: Any) -> Any:
         if self._failure is not None:
             raise self._failure
         if self._closed:
@@ -155,10 +125,11 @@ class Driver:
         with self._lock:
             if any(w.proc.poll() is not None for w in self.workers.values()):
                 self._fail(None)
-            released = self.encoder.releases()
+            released = [] if cmd == P.PING else self.encoder.releases()
+            body = payload()
             try:
-                self._broadcast(cmd, released, payload)
-                out = self.rank.handle(cmd, released, list(payload))
+                self._broadcast(cmd, released, body)
+                out = self.rank.handle(cmd, released, body)
             except Exception as e:
                 self._fail(e)
             self._last_sent = time.monotonic()
@@ -212,7 +183,7 @@ class Driver:
                 w = self.workers[r]
                 out = "\n    ".join(w.tail) if w.tail else "(no output)"
                 lines.append(
-                    f"rank {r} (pid {w.proc.pid}) {_exit_reason(exited[r])}; its last output:\n    {out}"
+                    f"rank {r} (pid {w.proc.pid}) {exit_reason(exited[r])}; its last output:\n    {out}"
                 )
         return "; ".join(lines) or f"a collective failed: {exc}"
 
@@ -265,6 +236,10 @@ class TPModelRunner(ModelRunner):
     def __init__(self, driver: Driver, num_blocks: int, block_size: int) -> None:
         # no super().__init__: the pool is rank 0's, made by the POOL command on every rank
         driver.send(P.POOL, [num_blocks, block_size])
+        # every rank answers, so a rank that could not make its pool fails here, not later
+        pools = {(r.num_blocks, r.pool_bytes) for r in driver.report()}
+        if len(pools) != 1:
+            raise TensorParallelError(f"the ranks' KV pools differ: {sorted(pools)}")
         assert driver.rank is not None and driver.rank.runner is not None
         self.driver = driver
         self.model, self.cache = driver.model, driver.rank.runner.cache
@@ -274,7 +249,7 @@ class TPModelRunner(ModelRunner):
 
     def _forward(self, chunks: list, select: list[int]) -> torch.Tensor:
         self.forward_passes += 1
-        return self.driver.send(P.STEP, self.driver.encoder.step(chunks, select))
+        return self.driver.step(chunks, select)
 
 
 _LIVE: weakref.WeakSet[Driver] = weakref.WeakSet()
@@ -292,6 +267,27 @@ def peek_config(path: str | Path) -> Any:
     from llmlib.checkpoints.lazy import read_checkpoint_lazy
 
     return read_checkpoint_lazy(path)[0]
+
+
+def start_engine(
+    model: Any, tp: int, device: Any, dtype: Any, tokenizer: Any, options: TPOptions | None
+) -> tuple[Driver, Any, Any]:
+    """What :class:`llmlib.LLM` needs to run split: ``(driver, rank 0's shard, tokenizer)``."""
+    if not isinstance(model, (str, Path)):
+        raise ValueError(
+            "tensor_parallel_size > 1 needs a checkpoint path: every rank reads its own slice "
+            "of the weights from it"
+        )
+    driver = start(model, tp, device, dtype, options)
+    if tokenizer is None:
+        from llmlib.checkpoints import load_tokenizer_for
+
+        try:
+            tokenizer = load_tokenizer_for(Path(model), required=False)
+        except BaseException:
+            driver.shutdown()
+            raise
+    return driver, driver.model, tokenizer
 
 
 def start(
@@ -370,7 +366,7 @@ def _spawn(driver: Driver, env: DistEnv, options: TPOptions) -> None:
     base["LLMLIB_TP_STARTUP_TIMEOUT"] = str(options.startup_timeout_s)
     for r in range(1, driver.tp):
         e = DistEnv(r, env.world_size, r, env.master_addr, env.master_port)
-        driver.workers[r] = _Worker(r, {**base, **e.as_env(), **options.worker_env})
+        driver.workers[r] = LocalWorker(r, {**base, **e.as_env(), **options.worker_env})
 
 
 def _start_rank0(driver: Driver, spec: Spec, env: DistEnv, store: Any, local: bool) -> Rank:

@@ -22,11 +22,15 @@ heartbeat when idle).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -180,6 +184,7 @@ def init_groups(
     timeout_s: float,
     control_timeout_s: float,
     local: bool,
+    local_rank: int = 0,
 ) -> Groups:
     """Join the process groups (every rank calls this, in the same order)."""
     if dist.is_initialized():
@@ -192,7 +197,8 @@ def init_groups(
     if backend == "nccl":
         import torch
 
-        kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(local_rank)
+        kw["device_id"] = torch.device("cuda", local_rank)
     with loopback_gloo(local):
         dist.init_process_group(
             backend,
@@ -210,6 +216,48 @@ def close_groups() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+# ---- worker processes llmlib starts itself ---------------------------------------------------
+
+
+class LocalWorker:
+    """A worker process llmlib started, with the tail of its output kept for error messages."""
+
+    def __init__(self, rank: int, env: dict[str, str]) -> None:
+        self.rank = rank
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        cmd = [sys.executable, "-m", "llmlib.parallel.worker"]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True, name=f"tp-rank-{rank}-out")
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            print(f"[tp rank {self.rank}] {line}", end="", file=sys.stderr)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5)
+        self.reader.join(2)
+
+
+def exit_reason(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 # ---- errors, through the store ---------------------------------------------------------------

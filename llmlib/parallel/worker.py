@@ -59,7 +59,7 @@ class RankReport:
     steps: int
     step_seconds: float  # from a step's plan arriving to its logits gathered
     allreduce_calls: int
-    allreduce_seconds: float
+    allreduce_seconds: float  # 0 where not timed (on a GPU unless TPOptions(timing=True))
     allreduce_bytes: int
     rss_bytes: int  # the process's resident memory now
     load_seconds: float
@@ -84,6 +84,7 @@ class Rank:
         self.spec, self.env, self.groups, self.cfg = spec, env, groups, cfg
         self.comm = Comm(groups.compute, env.rank, env.world_size, timing=spec.timing)
         self.model = parallelize(model, self.comm, vocab_range(cfg, spec.tp, env.rank))
+        self.comm.armed = False  # only the steps below run it
         self.runner: ModelRunner | None = None
         self.tables: P.BlockTables | None = None
         self.steps, self.step_seconds, self.load_seconds = 0, 0.0, 0.0
@@ -98,7 +99,11 @@ class Rank:
                 raise RuntimeError("a step before the KV pool was made")
             t0 = time.perf_counter()
             chunks, ids, select = self.tables.decode_step(payload)
-            local = self.runner.forward_packed(chunks, ids, select)
+            self.comm.armed = True
+            try:
+                local = self.runner.forward_packed(chunks, ids, select)
+            finally:
+                self.comm.armed = False
             out = self.comm.gather_logits(local, self.cfg.vocab_size)
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
@@ -194,6 +199,7 @@ def build_rank(spec: Spec, env: DistEnv, store: Any, local: bool) -> Rank:
         spec.timeout_s,
         spec.control_timeout_s,
         local,
+        env.local_rank,
     )
     rank = Rank(spec, env, groups, model, cfg)
     rank.load_seconds = load_s
