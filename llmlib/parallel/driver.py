@@ -123,6 +123,8 @@ class Driver:
         if self._closed:
             raise TensorParallelError("the tensor-parallel group has been shut down")
         with self._lock:
+            if self._failure is not None or self._closed:  # while this thread waited
+                raise self._failure or TensorParallelError("the group has been shut down")
             if any(w.proc.poll() is not None for w in self.workers.values()):
                 self._fail(None)
             released = [] if cmd == P.PING else self.encoder.releases()
@@ -192,7 +194,7 @@ class Driver:
         self._failure = TensorParallelError(
             f"the tensor-parallel group lost a rank and was shut down: {msg}"
         )
-        self._teardown()
+        self._teardown(join_heartbeat=False)  # it may be waiting for the lock this holds
         raise self._failure from exc
 
     # ---- the end -------------------------------------------------------------------------------
@@ -209,12 +211,13 @@ class Driver:
                     self._lock.release()
         self._teardown()
 
-    def _teardown(self) -> None:
+    def _teardown(self, join_heartbeat: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        if self._beat is not None and self._beat is not threading.current_thread():
+        beat = self._beat
+        if join_heartbeat and beat is not None and beat is not threading.current_thread():
             self._beat.join(self.options.heartbeat_s + 1)
         for w in self.workers.values():
             w.stop(grace_s=10.0 if self._failure is None else 0.5)
