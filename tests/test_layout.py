@@ -116,7 +116,7 @@ LAYERS = [
         "llmlib.roofline",
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
-    {"llmlib.engine"},
+    {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 

@@ -103,6 +103,10 @@ class LLM:
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
+
+    ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
+    process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
+    stops the others. ``tp_options``: a :class:`llmlib.parallel.TPOptions`.
     """
 
     def __init__(
@@ -121,8 +125,18 @@ class LLM:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         cuda_graphs: bool | None = None,
+        tensor_parallel_size: int = 1,
+        tp_options: Any = None,
     ) -> None:
-        if isinstance(model, (str, Path)):
+        self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
+        if tensor_parallel_size != 1:
+            from llmlib.parallel.driver import start_engine
+
+            self._tp, model_obj, tokenizer = start_engine(
+                model, tensor_parallel_size, device, dtype, tokenizer, tp_options
+            )
+            cuda_graphs = False  # each step is a round of collectives: no graph replay
+        elif isinstance(model, (str, Path)):
             from llmlib.checkpoints import load_model, load_tokenizer_for
 
             path = Path(model)
@@ -139,54 +153,84 @@ class LLM:
             raise TypeError(
                 f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
             )
-        self.model = model_obj.eval()
-        self.tokenizer = tokenizer
-        self.config = cfg = model_obj.config
-        p = next(model_obj.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
-        max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
-        bytes_per_block = kv_formula(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, p.element_size()
-        )
-        if num_blocks is None:
-            if kv_cache_bytes is None:
-                if self.device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(self.device)
-                    kv_cache_bytes = int(free * 0.8)
-                else:
-                    kv_cache_bytes = 1 << 30
-            # never more than max_num_seqs full-length sequences (plus one block each) could use
-            needed = max_num_seqs * (-(-max_len // block_size) + 1)
-            num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        self.max_model_len = self.scheduler.max_model_len
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            block_size,
-            cuda_graphs=cuda_graphs,
-            max_graph_rows=max_num_seqs,
-            max_model_len=max_len,
-        )
-        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
-        self._ids = itertools.count()
-        self._stats = EngineStats()
-        self._block_hits0 = 0
+        try:  # a sharded engine that fails to finish starting stops its ranks
+            self.model = model_obj.eval()
+            self.tokenizer = tokenizer
+            # sharded, the model is rank 0's slice; the config stays the whole model's
+            self.config = cfg = self._tp.config if self._tp else model_obj.config
+            p = next(model_obj.parameters())
+            self.device, self.dtype = p.device, p.dtype
+            if not isinstance(block_size, int) or block_size <= 0:
+                raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
+            max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
+            local = model_obj.config  # a rank's pool holds its own KV heads
+            bytes_per_block = kv_formula(
+                local.n_layers, local.n_kv_heads, local.head_dim, block_size, p.element_size()
+            )
+            if num_blocks is None:
+                if kv_cache_bytes is None:
+                    if self.device.type == "cuda":
+                        free, _ = torch.cuda.mem_get_info(self.device)
+                        kv_cache_bytes = int(free * 0.8)
+                    else:
+                        kv_cache_bytes = 1 << 30
+                # never more than max_num_seqs full-length sequences (plus one block each) could use
+                needed = max_num_seqs * (-(-max_len // block_size) + 1)
+                num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
+            if not isinstance(num_blocks, int) or num_blocks <= 0:
+                raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
+            self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.block_manager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            )
+            self.max_model_len = self.scheduler.max_model_len
+            if self._tp is not None:
+                self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
+            else:
+                self.runner = ModelRunner(
+                    self.model,
+                    num_blocks,
+                    block_size,
+                    cuda_graphs=cuda_graphs,
+                    max_graph_rows=max_num_seqs,
+                    max_model_len=max_len,
+                )
+            self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+            self._requests: dict[str, _Request] = {}
+            self._by_seq: dict[int, _Request] = {}
+            self._ids = itertools.count()
+            self._stats = EngineStats()
+            self._block_hits0 = 0
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self._tp is None else self._tp.tp
+
+    def tensor_parallel_report(self) -> list[Any]:
+        """Every rank's weights, KV pool and time in all-reduce
+        (:class:`llmlib.parallel.worker.RankReport`); empty when not sharded."""
+        return [] if self._tp is None else self._tp.report()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op when not sharded); the engine is then done."""
+        if self._tp is not None:
+            self._tp.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def capture_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> int:
         """Capture the decode-step graphs for up to ``max_rows`` sequences of up to ``max_tokens``
@@ -361,6 +405,8 @@ class LLM:
         self._stats = EngineStats()
         self.runner.forward_passes = 0
         self._block_hits0 = self.block_manager.num_prefix_hit_blocks
+        if self._tp is not None:
+            self._tp.reset_stats()  # every rank's step and all-reduce counters
 
     @property
     def kv_cache_bytes(self) -> int:
