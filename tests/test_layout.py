@@ -117,7 +117,7 @@ LAYERS = [
         "llmlib.structured",
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
-    {"llmlib.engine"},
+    {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 

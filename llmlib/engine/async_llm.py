@@ -72,6 +72,7 @@ class AsyncLLM:
         **llm_kwargs: Any,
     ) -> None:
         self.llm = model if isinstance(model, LLM) else LLM(model, tokenizer, **llm_kwargs)
+        self._owns_llm = not isinstance(model, LLM)  # then shutdown() stops its ranks too
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
@@ -171,6 +172,8 @@ class AsyncLLM:
         for rid in list(self._streams):
             self.llm.abort(rid)
             self._close(rid, RuntimeError("the engine was shut down"))
+        if self._owns_llm:
+            self.llm.shutdown()  # a tensor-parallel engine's worker processes (else a no-op)
 
     close = shutdown
 

@@ -50,6 +50,10 @@ class LLM:
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
+
+    ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
+    process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
+    stops the others. ``tp_options``: a :class:`llmlib.parallel.TPOptions`.
     """
 
     def __init__(
@@ -68,8 +72,18 @@ class LLM:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         cuda_graphs: bool | None = None,
+        tensor_parallel_size: int = 1,
+        tp_options: Any = None,
     ) -> None:
-        if isinstance(model, (str, Path)):
+        self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
+        if tensor_parallel_size != 1:
+            from llmlib.parallel.driver import start_engine
+
+            self._tp, model_obj, tokenizer = start_engine(
+                model, tensor_parallel_size, device, dtype, tokenizer, tp_options
+            )
+            cuda_graphs = False  # each step is a round of collectives: no graph replay
+        elif isinstance(model, (str, Path)):
             from llmlib.checkpoints import load_model, load_tokenizer_for
 
             path = Path(model)
@@ -86,55 +100,85 @@ class LLM:
             raise TypeError(
                 f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
             )
-        self.model = model_obj.eval()
-        self.tokenizer = tokenizer
-        self.config = cfg = model_obj.config
-        p = next(model_obj.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
-        max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
-        bytes_per_block = kv_formula(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, p.element_size()
-        )
-        if num_blocks is None:
-            if kv_cache_bytes is None:
-                if self.device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(self.device)
-                    kv_cache_bytes = int(free * 0.8)
-                else:
-                    kv_cache_bytes = 1 << 30
-            # never more than max_num_seqs full-length sequences (plus one block each) could use
-            needed = max_num_seqs * (-(-max_len // block_size) + 1)
-            num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        self.max_model_len = self.scheduler.max_model_len
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            block_size,
-            cuda_graphs=cuda_graphs,
-            max_graph_rows=max_num_seqs,
-            max_model_len=max_len,
-        )
-        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
-        self._requests: dict[str, EngineRequest] = {}
-        self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
-        self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
-        self._ids = itertools.count()
-        self._stats = EngineStats()
-        self._block_hits0 = 0
+        try:  # a sharded engine that fails to finish starting stops its ranks
+            self.model = model_obj.eval()
+            self.tokenizer = tokenizer
+            # sharded, the model is rank 0's slice; the config stays the whole model's
+            self.config = cfg = self._tp.config if self._tp else model_obj.config
+            p = next(model_obj.parameters())
+            self.device, self.dtype = p.device, p.dtype
+            if not isinstance(block_size, int) or block_size <= 0:
+                raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
+            max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
+            local = model_obj.config  # a rank's pool holds its own KV heads
+            bytes_per_block = kv_formula(
+                local.n_layers, local.n_kv_heads, local.head_dim, block_size, p.element_size()
+            )
+            if num_blocks is None:
+                if kv_cache_bytes is None:
+                    if self.device.type == "cuda":
+                        free, _ = torch.cuda.mem_get_info(self.device)
+                        kv_cache_bytes = int(free * 0.8)
+                    else:
+                        kv_cache_bytes = 1 << 30
+                # never more than max_num_seqs full-length sequences (plus one block each) could use
+                needed = max_num_seqs * (-(-max_len // block_size) + 1)
+                num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
+            if not isinstance(num_blocks, int) or num_blocks <= 0:
+                raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
+            self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.block_manager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            )
+            self.max_model_len = self.scheduler.max_model_len
+            if self._tp is not None:
+                self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
+            else:
+                self.runner = ModelRunner(
+                    self.model,
+                    num_blocks,
+                    block_size,
+                    cuda_graphs=cuda_graphs,
+                    max_graph_rows=max_num_seqs,
+                    max_model_len=max_len,
+                )
+            self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+            self._requests: dict[str, EngineRequest] = {}
+            self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
+            self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
+            self._ids = itertools.count()
+            self._stats = EngineStats()
+            self._block_hits0 = 0
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self._tp is None else self._tp.tp
+
+    def tensor_parallel_report(self) -> list[Any]:
+        """Every rank's weights, KV pool and time in all-reduce
+        (:class:`llmlib.parallel.worker.RankReport`); empty when not sharded."""
+        return [] if self._tp is None else self._tp.report()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op when not sharded); the engine is then done."""
+        if self._tp is not None:
+            self._tp.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def capture_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> int:
         """Capture the decode-step graphs for up to ``max_rows`` sequences of up to ``max_tokens``
@@ -262,7 +306,7 @@ class LLM:
         reqs: dict[str, EngineRequest] = {}
         for seq in touched:
             req, choice = self._by_seq[seq.seq_id]
-            self._took_token(choice, res)
+            choice.took_token(res.logprobs.get(seq.seq_id), self.scheduler.finish)
             reqs[req.request_id] = req
         outs = []
         for req in reqs.values():
@@ -292,40 +336,6 @@ class LLM:
             self.scheduler.adopt(child, parent, running=copies is not None)
             self.scheduler.append_token(child, res.tokens[child.seq_id])
         return children
-
-    def _took_token(self, choice: Choice, res: StepResult) -> None:
-        """A choice's sequence got its next token (or finished scoring its prompt): record its
-        log-probability, advance its grammar, turn it into text, end it on a stop string."""
-        seq, params = choice.seq, choice.params
-        if seq.num_output_tokens == choice.tokens_seen:  # max_tokens=0: nothing was generated
-            choice.text.close()
-            return
-        choice.tokens_seen = seq.num_output_tokens
-        tok = seq.token_ids[-1]
-        if choice.logprobs is not None and seq.seq_id in res.logprobs:
-            choice.logprobs.append(res.logprobs[seq.seq_id])
-        grammar_done = False
-        if seq.matcher is not None:
-            seq.matcher.consume(tok)
-            grammar_done = seq.matcher.done
-        if grammar_done and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")  # a complete document (under ignore_eos)
-        if seq.finish_reason == "stop" and (seq.ends_on(tok) or tok in seq.eos_token_ids):
-            if tok in seq.stop_token_ids:
-                choice.stop_reason = tok
-                if params.include_stop_str_in_output:
-                    choice.text.add_token(tok, check_stop=False)
-            choice.text.close()  # the end token ends the text without being part of it
-            return
-        check = seq.num_output_tokens >= params.min_tokens
-        if choice.text.add_token(tok, check_stop=check):  # a stop string: the text ends before it
-            choice.stop_reason = choice.text.stop_str
-            if seq.is_finished:
-                seq.finish_reason = "stop"  # the same token also reached max_tokens
-            else:
-                self.scheduler.finish(seq, "stop")
-        elif seq.is_finished:
-            choice.text.close()
 
     def _account_memory(self) -> None:
         allocated, used = self.block_manager.usage(self.scheduler.running)
@@ -395,6 +405,8 @@ class LLM:
         self._stats = EngineStats()
         self.runner.forward_passes = 0
         self._block_hits0 = self.block_manager.num_prefix_hit_blocks
+        if self._tp is not None:
+            self._tp.reset_stats()  # every rank's step and all-reduce counters
 
     @property
     def kv_cache_bytes(self) -> int:

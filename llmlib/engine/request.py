@@ -9,6 +9,7 @@ the others are forked from it (:meth:`llmlib.engine.block_manager.BlockManager.f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,42 @@ class Choice:
             delta_logprobs=delta_lp,
             stop_reason=self.stop_reason,
         )
+
+    def took_token(
+        self, logprob: TokenLogprob | None, finish: Callable[[Sequence, str], None]
+    ) -> None:
+        """A choice's sequence got its next token (or finished scoring its prompt): record its
+        log-probability, advance its grammar, turn it into text, end it on a stop string."""
+        seq, params, choice = self.seq, self.params, self
+        if seq.num_output_tokens == choice.tokens_seen:  # max_tokens=0: nothing was generated
+            choice.text.close()
+            return
+        choice.tokens_seen = seq.num_output_tokens
+        tok = seq.token_ids[-1]
+        if choice.logprobs is not None and logprob is not None:
+            choice.logprobs.append(logprob)
+        grammar_done = False
+        if seq.matcher is not None:
+            seq.matcher.consume(tok)
+            grammar_done = seq.matcher.done
+        if grammar_done and not seq.is_finished:
+            finish(seq, "stop")  # a complete document (under ignore_eos)
+        if seq.finish_reason == "stop" and (seq.ends_on(tok) or tok in seq.eos_token_ids):
+            if tok in seq.stop_token_ids:
+                choice.stop_reason = tok
+                if params.include_stop_str_in_output:
+                    choice.text.add_token(tok, check_stop=False)
+            choice.text.close()  # the end token ends the text without being part of it
+            return
+        check = seq.num_output_tokens >= params.min_tokens
+        if choice.text.add_token(tok, check_stop=check):  # a stop string: the text ends before it
+            choice.stop_reason = choice.text.stop_str
+            if seq.is_finished:
+                seq.finish_reason = "stop"  # the same token also reached max_tokens
+            else:
+                finish(seq, "stop")
+        elif seq.is_finished:
+            choice.text.close()
 
 
 class EngineRequest:

@@ -74,10 +74,18 @@ class ModelRunner:
 
     def _forward(self, chunks: list[ScheduledChunk], select: list[int]) -> torch.Tensor:
         """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
-        step = self.cache.step([[SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]])
         ids: list[int] = []
         for c in chunks:
             ids += c.seq.token_ids[c.start : c.start + c.length]
+        seq_chunks = [SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]
+        return self.forward_packed(seq_chunks, ids, select)
+
+    def forward_packed(
+        self, chunks: list[SeqChunk], ids: list[int], select: list[int]
+    ) -> torch.Tensor:
+        """The forward pass itself, on block tables and token ids alone (what a tensor-parallel
+        worker, which has no sequences, runs too): logits [len(select), V] at ``select``."""
+        step = self.cache.step([chunks])
         self.forward_passes += 1
         ids_t = torch.tensor([ids], dtype=torch.long).to(self.device)
         sel = torch.as_tensor(select, dtype=torch.long).to(self.device)

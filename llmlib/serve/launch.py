@@ -141,8 +141,22 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy, shared CPU)",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks (started here, or by torchrun: every rank runs this)",
+    )
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1:
+        from llmlib.parallel.group import DistEnv
+
+        env = DistEnv.from_env()
+        if env is not None and env.rank != 0:  # under torchrun: only rank 0 serves HTTP
+            from llmlib.parallel.worker import main as worker_main
+
+            return worker_main()
     if args.max_queue < 1:
         ap.error("--max-queue must be at least 1")
     if args.max_n < 1 or args.max_num_seqs < 1:
@@ -168,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     name = args.served_model_name or name
     app = create_app(
