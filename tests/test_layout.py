@@ -114,6 +114,7 @@ LAYERS = [
         "llmlib.sampling",
         "llmlib.kv_cache",
         "llmlib.roofline",
+        "llmlib.structured",
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
     {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks

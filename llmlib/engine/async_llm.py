@@ -189,14 +189,16 @@ class AsyncLLM:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        allow_special: bool = False,
     ) -> RequestStream:
         """Queue a request now (call from a running event loop); iterate the result for outputs.
 
         Raises at once: :class:`QueueFull` when ``max_queue`` requests are unfinished, ValueError or
-        TypeError for a request that could never run (too long, bad params, bad ids).
+        TypeError for a request that could never run (too long, bad params, bad ids, a JSON schema
+        that does not compile). ``allow_special``: special tokens in a text prompt count as such.
         """
         params = params if params is not None else SamplingParams()
-        _, ids = self.llm.encode(prompt)
+        _, ids = self.llm.encode(prompt, allow_special)
         self.llm.validate(ids, params)
         rid = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
         self.start()

@@ -67,9 +67,11 @@ def build_engine(
     model: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    max_queue: int = 1024,
     **engine_kwargs: Any,
 ):
-    """Load a model into the async batching engine: ``(engine, model_id)``."""
+    """Load a model into the async batching engine: ``(engine, model_id)``. ``max_queue`` is the
+    one bound on requests in flight (one more gets a 503)."""
     from pathlib import Path
 
     from llmlib.checkpoints import resolve_model_path
@@ -77,7 +79,9 @@ def build_engine(
 
     path = resolve_model_path(model)
     place = choose(device, dtype)
-    engine = _make_async_engine(path, place.device, place.dtype, **engine_kwargs)
+    engine = _make_async_engine(
+        path, place.device, place.dtype, max_queue=max_queue, **engine_kwargs
+    )
     return engine, Path(path).stem if Path(path).is_file() else Path(path).name
 
 
@@ -103,7 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     ap.add_argument(
-        "--max-queue", type=int, default=64, help="requests in flight before new ones get 503"
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests in the engine (running and waiting) before new ones get 503",
+    )
+    ap.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices per request")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per engine step"
+    )
+    ap.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps (--no-enable-chunked-prefill: whole, alone if must)",
     )
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     ap.add_argument(
@@ -141,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             return worker_main()
     if args.max_queue < 1:
         ap.error("--max-queue must be at least 1")
+    if args.max_n < 1 or args.max_num_seqs < 1:
+        ap.error("--max-n and --max-num-seqs must be at least 1")
     if args.threads is not None:
         if args.threads < 1:
             ap.error("--threads must be at least 1")
@@ -155,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     engine, name = build_engine(
-        args.model, args.device, args.dtype, tensor_parallel_size=args.tensor_parallel_size
+        args.model,
+        args.device,
+        args.dtype,
+        max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     name = args.served_model_name or name
     app = create_app(
-        engine,
+        engine.start(),
         name,
-        limits=Limits(max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue),
+        limits=Limits(max_prompt_chars=args.max_prompt_chars, max_n=args.max_n),
     )
     print(f"llmlib serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
