@@ -145,6 +145,21 @@ def test_tp2_equals_tp1(which: str, request) -> None:
             assert not _alive(pid), f"rank process {pid} outlived shutdown()"
 
 
+def test_n_choices_fork_their_blocks_on_every_rank(untied: Path) -> None:
+    """n > 1 under TP: the forked sequence's copy-on-write block is copied in every rank's pool
+    (each holds its own KV heads), so greedy choices all equal the single choice of TP = 1."""
+    prompt = PROMPTS[0][:18]  # 18 tokens in blocks of 4: the last block is partial, so it is copied
+    one = llmlib.LLM(untied, **ENGINE).generate([prompt], GREEDY, use_tqdm=False)[0]
+    with llmlib.LLM(untied, tensor_parallel_size=2, **ENGINE) as llm:
+        (out,) = llm.generate(
+            [prompt],
+            llmlib.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3),
+            use_tqdm=False,
+        )
+        assert [c.token_ids for c in out.outputs] == [one.token_ids] * 3
+        assert all(r.held_blocks == 0 for r in llm.tensor_parallel_report())
+
+
 def test_the_async_engine_runs_split_and_stops_its_ranks(untied: Path) -> None:
     """The server's engine (AsyncLLM, stepping in its own thread beside the heartbeat) on two
     ranks: the same tokens, and shutdown() stops the worker it started."""

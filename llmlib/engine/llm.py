@@ -332,7 +332,7 @@ class LLM:
         for child in children:
             copies = self.block_manager.fork(parent, child)
             if copies is not None:
-                self.runner.cache.copy_blocks(copies)
+                self.runner.copy_blocks(copies)
             self.scheduler.adopt(child, parent, running=copies is not None)
             self.scheduler.append_token(child, res.tokens[child.seq_id])
         return children

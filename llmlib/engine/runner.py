@@ -72,6 +72,10 @@ class ModelRunner:
         """The forward pass a fixed-shape decode step runs (and a CUDA graph records): logits [rows, V]."""
         return self.model.logits(self.model.hidden(ids, positions, step)[0])
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src -> dst`` (a forked sequence's copy-on-write; every rank under TP)."""
+        self.cache.copy_blocks(pairs)
+
     def _forward(self, chunks: list[ScheduledChunk], select: list[int]) -> torch.Tensor:
         """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
         ids: list[int] = []

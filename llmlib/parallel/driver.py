@@ -254,6 +254,11 @@ class TPModelRunner(ModelRunner):
         self.forward_passes += 1
         return self.driver.step(chunks, select)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Every rank holds its own heads of each block: the copy runs on all of them."""
+        if pairs:
+            self.driver.send(P.COPY, [x for pair in pairs for x in pair])
+
 
 _LIVE: weakref.WeakSet[Driver] = weakref.WeakSet()
 

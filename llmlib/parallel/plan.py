@@ -26,8 +26,15 @@ import torch
 from llmlib.engine.paged_cache import SeqChunk
 
 # commands
-STEP, POOL, REPORT, PING, SHUTDOWN, RESET = 1, 2, 3, 4, 5, 6
-COMMANDS = {STEP: "step", POOL: "pool", REPORT: "report", PING: "ping", SHUTDOWN: "shutdown"}
+STEP, POOL, REPORT, PING, SHUTDOWN, RESET, COPY = 1, 2, 3, 4, 5, 6, 7
+COMMANDS = {
+    STEP: "step",
+    POOL: "pool",
+    REPORT: "report",
+    PING: "ping",
+    SHUTDOWN: "shutdown",
+    COPY: "copy",
+}
 COMMANDS[RESET] = "reset"
 
 

@@ -113,6 +113,11 @@ class Rank:
             self.runner = ModelRunner(self.model, num_blocks, block_size, cuda_graphs=False)
             self.tables = P.BlockTables(num_blocks)
             return None
+        if cmd == P.COPY:  # a forked sequence's copy-on-write blocks, in this rank's pool
+            if self.runner is None:
+                raise RuntimeError("a block copy before the KV pool was made")
+            self.runner.copy_blocks(list(zip(payload[0::2], payload[1::2])))
+            return None
         if cmd == P.REPORT:
             return self._report()
         if cmd == P.RESET:
