@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.linear import linear
+from llmlib.linear import embedding_rows, linear
 
 
 class TokenEmbedding(nn.Module):
@@ -29,7 +29,7 @@ class TokenEmbedding(nn.Module):
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return embedding_rows(ids, self.weight)  # a quantized tied table reads its own rows
 
 
 def embed_one_hot(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -92,12 +92,14 @@ class Generator:
         tokenizer: Any,
         max_len: int | None = None,
         decode_layout: bool | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device = p.device
+        self.dtype = getattr(model, "dtype", p.dtype)  # activations and KV cache: the model's dtype
         if decode_layout if decode_layout is not None else self.device.type == "cpu":
             use_matvec_layout(model)
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
@@ -106,6 +108,29 @@ class Generator:
         # positions 0..max_len-1 once; each step takes a view instead of building a tensor
         self._positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         self.last_result: GenerationResult | None = None
+        # The decode step: eager (the reference the book reads), or torch.compile'd (inductor
+        # fuses each layer's small operators into a few C++/Triton kernels). Compiled lazily,
+        # once per Generator, on the first request; inductor's on-disk cache makes the next
+        # process's compile a cache hit. ``compile_s`` is what the first compiled call cost.
+        self.compile = bool(compile)
+        self._step = decode_step
+        self.compile_s: float | None = None
+        if self.compile:
+            self._step = torch.compile(decode_step, dynamic=True)
+
+    @property
+    def weight_format(self) -> str:
+        """What the weights are held in (``float32``, ``gguf (int4 g32 x210, int8 x1) / bfloat16``)."""
+        return getattr(self.model, "weight_format", str(self.dtype).removeprefix("torch."))
+
+    def warmup(self) -> float:
+        """Run (and, compiled, compile) the decode step on a throwaway cache; return seconds."""
+        t0 = time.perf_counter()
+        self.generate([1, 2], max_new_tokens=3, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        if self.compile and self.compile_s is None:
+            self.compile_s = dt
+        return dt
 
     # -- prompts --
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
@@ -153,9 +178,7 @@ class Generator:
                 seen[0].append(tid)
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = model(
-                    tok.view(1, 1), self._positions[:, pos : pos + 1], cache, last_only=True
-                )
+                logits = self._step(model, tok.view(1, 1), self._positions[:, pos : pos + 1], cache)
                 tok = sample(logits[:, -1], [params], gens, seen)
             tid = int(tok[0])
             timing.step_s.append(time.perf_counter() - t0)
@@ -276,13 +299,27 @@ class Generator:
         return self._run(*self._prepare(prompt, params, chat), params)
 
 
+def decode_step(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """One decode step, ``ids [B, 1]`` at ``positions`` -> logits ``[B, 1, vocab]``: the function
+    :class:`Generator` runs eagerly or hands to ``torch.compile``."""
+    return model(ids, positions, cache, last_only=True)
+
+
 def load_generator(
     path: str | Path | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
+    *,
+    group_size: int = 32,
+    compile: bool = False,
 ) -> Generator:
-    """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2)."""
+    """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2),
+    with the weights in ``dtype``/``quantization`` (:func:`llmlib.load_model`)."""
     from llmlib.checkpoints import load_model, load_tokenizer_for, resolve_model_path
 
     path = resolve_model_path(path)
-    return Generator(load_model(path, device=device, dtype=dtype), load_tokenizer_for(path))
+    model = load_model(path, device, dtype, quantization, group_size=group_size)
+    return Generator(model, load_tokenizer_for(path), compile=compile)

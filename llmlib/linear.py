@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +37,28 @@ def _packing_available() -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when it is valid
-    and ``x`` holds more than one row, else ``F.linear``."""
+def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``.
+
+    ``weight`` is a dense tensor, or a quantized one stored for a weight-only kernel
+    (:class:`llmlib.quantize.PackedWeight`, which brings its own product). A dense float32 matrix
+    with a valid oneDNN copy (:func:`pack_weights`) uses it when ``x`` holds more than one row.
+    """
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
         p, ptr, version = packed
         if ptr == weight.data_ptr() and version == weight._version:
-            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    return F.linear(x, weight)
+            return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def embedding_rows(ids: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``weight[ids]``: the embedding lookup, from a dense table or a quantized (tied) one."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.rows(ids)
+    return F.embedding(ids, weight)
 
 
 def pack_weights(model: nn.Module) -> int:

@@ -274,7 +274,7 @@ def gguf_name(llmlib_key: str) -> str:
 
 
 def read_gguf(
-    path: str | Path, progress: bool | None = None
+    path: str | Path, progress: bool | None = None, blocks: dict | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a ``llama``-architecture GGUF file into ``(config, state_dict)`` with float32 tensors.
 
@@ -283,6 +283,11 @@ def read_gguf(
     offending field or tensor: an unknown architecture or quantization type, a missing, extra or
     mis-shaped tensor, and a truncated file are all ValueErrors. ``progress=None`` shows a progress
     bar only for files over a gigabyte (a small model decodes in a second or two).
+
+    ``blocks``, a dict, receives the raw bytes of every block-quantized matrix as
+    ``{llmlib name: (type name, uint8 tensor [rows, bytes per row])}``, rows in the same order as
+    the float tensor (q and k un-permuted): what ``quantization="gguf"`` repacks without
+    re-quantizing (:mod:`llmlib.checkpoints.repack`).
     """
     path = Path(path)
     reader = open_gguf(path)
@@ -320,11 +325,20 @@ def read_gguf(
             for e in range(w.shape[0]):
                 state[ours.replace("*", str(e))] = w[e]
             continue
+        raw = None
+        fmt = block_format(t.ggml_type, t.name)
+        if blocks is not None and fmt.block_size > 1 and w.ndim == 2:
+            raw = torch.from_numpy(np.array(reader.raw(t.name), dtype=np.uint8))
+            raw = raw.view(shape[0], -1)
         if ours.endswith("attn.wq.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_heads)
+            raw = None if raw is None else unpermute_qk(raw, cfg.n_heads)
         elif ours.endswith("attn.wk.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_kv_heads)
+            raw = None if raw is None else unpermute_qk(raw, cfg.n_kv_heads)
         state[ours] = w.contiguous()
+        if raw is not None:
+            blocks[ours] = (fmt.name, raw.contiguous())
 
     if extra:
         raise ValueError(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmlib.cli.common import add_model_args, add_sampling_args, sampling_params
-from llmlib.generate import load_generator
+from llmlib.cli.common import add_model_args, add_sampling_args, load_generator_for, sampling_params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,12 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-stream", action="store_true", help="print the text only when done")
     ap.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step (compiles once)"
+    )
     add_model_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        gen = load_generator(args.model, args.device, args.dtype)
+        gen = load_generator_for(args, compile=args.compile)
+        if args.compile:
+            gen.warmup()  # compile now, so the timing line reports decode, not compilation
         # An instruction-tuned model answers a bare question badly (SmolLM2's first greedy token
         # after one is its end-of-turn token), so chat is the default whenever a template exists.
         chat = (
@@ -55,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         t = out.timing
         print(
             f"[{len(out.prompt_ids)} prompt tokens, {len(out.token_ids)} new, finish={out.finish_reason}; "
-            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
+            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s; "
+            f"weights {gen.weight_format}"
+            + (f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else "")
+            + "]",
             file=sys.stderr,
         )
     return 0

@@ -67,16 +67,24 @@ def build_engine(
     model: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    quantization: str | None = None,
     **engine_kwargs: Any,
 ):
-    """Load a model into the async batching engine: ``(engine, model_id)``."""
+    """Load a model into the async batching engine: ``(engine, model_id)``. With neither a dtype
+    nor a quantization, the machine's fastest accurate format (:func:`llmlib.device.choose_format`)."""
     from pathlib import Path
 
     from llmlib.checkpoints import resolve_model_path
-    from llmlib.device import choose
+    from llmlib.device import choose_format
 
     path = resolve_model_path(model)
-    place = choose(device, dtype)
+    if quantization == "none":
+        quantization, dtype = None, dtype or "float32"
+    place, quantization = choose_format(
+        device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf"
+    )
+    if quantization is not None:
+        engine_kwargs["quantization"] = quantization
     engine = _make_async_engine(path, place.device, place.dtype, **engine_kwargs)
     return engine, Path(path).stem if Path(path).is_file() else Path(path).name
 
@@ -109,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype",
         default=None,
-        help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)",
+        help="float32, bfloat16, float16 (default: the fastest accurate format here)",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "int8", "int4", "gguf"),
+        help="weight-only int8, int4, or the GGUF file's own blocks (default: as --dtype)",
     )
     ap.add_argument(
         "--served-model-name",
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     import uvicorn
 
-    engine, name = build_engine(args.model, args.device, args.dtype)
+    engine, name = build_engine(args.model, args.device, args.dtype, args.quantization)
     name = args.served_model_name or name
     app = create_app(
         engine,
