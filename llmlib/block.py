@@ -34,9 +34,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.dtype == torch.float32
-        ):  # PyTorch's fused kernel: one call instead of five, same numbers
+        if x.dtype == torch.float32 or x.dtype == self.weight.dtype:
+            # PyTorch's fused kernel: one call instead of five; it sums in float32 whatever the
+            # input's dtype (only the gain is applied before rounding back, not after)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()

@@ -100,7 +100,11 @@ class Generator:
         p = next(model.parameters())
         self.device = p.device
         self.dtype = getattr(model, "dtype", p.dtype)  # activations and KV cache: the model's dtype
-        if decode_layout if decode_layout is not None else self.device.type == "cpu":
+        if (
+            decode_layout
+            if decode_layout is not None
+            else self.device.type == "cpu" and self.dtype == torch.float32
+        ):
             use_matvec_layout(model)
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         self.eos_ids = eos_token_ids(self.config, tokenizer)

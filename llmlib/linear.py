@@ -92,12 +92,34 @@ def is_packed(weight: torch.Tensor) -> bool:
 def prepare_cpu_weights(model: nn.Module) -> None:
     """Give a model on the CPU both layouts: the decode one, then the blocked copy for batches.
 
-    Called by the loader; a no-op for a model on another device.
+    Called by the loader; a no-op for a model on another device. A bfloat16 model instead holds
+    its matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
     """
-    if all(p.device.type != "cpu" for p in model.parameters()):
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    if not mats or any(p.device.type != "cpu" for p in mats):
+        return
+    if all(p.dtype == torch.bfloat16 for p in mats) and _packing_available():
+        pack_bfloat16(model)
         return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
     pack_weights(model)  # batches: oneDNN's blocked copy, made after the layout is final
+
+
+def pack_bfloat16(model: nn.Module) -> int:
+    """Hold every bfloat16 weight matrix of a CPU model only in oneDNN's blocked layout
+    (:class:`llmlib.quantize.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
+    as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows."""
+    from llmlib.quantize import OneDNNWeight, weight_matrices
+
+    n = 0
+    for name, mod in weight_matrices(model).items():
+        w = mod.weight
+        if name == "embed" or not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+            continue
+        del mod.weight
+        mod.weight = OneDNNWeight(w.data)
+        n += 1
+    return n
 
 
 # ---- the decode layout --------------------------------------------------------------------------

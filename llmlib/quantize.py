@@ -136,11 +136,17 @@ class PackedWeight(nn.Module):
     with ``.to()``, show up in ``state_dict`` and are counted like any other tensor)."""
 
     kind = "packed"
+    _constants = "scale"  # the buffer of float constants: its dtype is the activations'
 
-    def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    def __init__(self, shape: tuple[int, int]) -> None:
         super().__init__()
         self.shape = torch.Size(shape)
-        self.dtype = dtype  # the activations' dtype: what goes in and comes out of the product
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: what goes into and comes out of the product (``.to(dtype)``
+        moves the float constants, and with them this)."""
+        return getattr(self, self._constants).dtype
 
     @property
     def device(self) -> torch.device:
@@ -176,7 +182,7 @@ class Int8Weight(PackedWeight):
     kind = "int8"
 
     def __init__(self, codes: ChannelCodes, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(codes.shape, dtype)
+        super().__init__(codes.shape)
         self.register_buffer("q", codes.q.to(device=device, dtype=torch.int8).contiguous())
         self.register_buffer("scale", codes.scale.to(device=device, dtype=dtype).contiguous())
 
@@ -209,9 +215,10 @@ class Int4Weight(PackedWeight):
     """4-bit codes in a kernel's packed layout, and ``[in/g, out, 2]`` scales and zero points."""
 
     kind = "int4"
+    _constants = "scale_zero"
 
     def __init__(self, codes: GroupCodes, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(codes.shape, dtype)
+        super().__init__(codes.shape)
         n, k = codes.shape
         self.group_size = g = codes.group_size
         check_group_size(g, k, "int4 weight")
@@ -266,6 +273,33 @@ class Int4Weight(PackedWeight):
         return ((q.to(self.dtype) - 8) * s + z).to(self.dtype)
 
 
+class OneDNNWeight(PackedWeight):
+    """A bfloat16 matrix held only in oneDNN's blocked layout (what ``torch.compile`` makes of
+    frozen CPU weights): AMX/AVX512-BF16 multiply it several times faster than a plain strided
+    bfloat16 matrix, at one row or many. Not quantized: the same numbers, re-ordered once."""
+
+    kind = "bfloat16 (oneDNN blocked)"
+    _constants = "w"
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(tuple(w.shape))
+        self.register_buffer("w", torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.w.element_size()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.w, bias, "none", [], "")
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w.to_dense()
+
+
 def _inner_k_tiles(k: int) -> int:
     for t in (8, 4, 2):
         if k % (t * 16) == 0:
@@ -306,19 +340,21 @@ def quantize_model(
     group_size: int = 32,
     codes: dict[str, Codes] | None = None,
     describe=str,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace every weight matrix of ``model`` by a packed one, in place; return ``model``.
 
     ``quantization`` is ``"int8"`` or ``"int4"`` (quantize the model's float weights), or
     ``"gguf"``: ``codes`` hands in, by module name, codes made from the file's own blocks; a
     matrix without codes stays dense in the model's dtype. ``describe`` turns a module name into
-    what the checkpoint calls it, for error messages.
+    what the checkpoint calls it, for error messages. ``dtype``: the activations' (default: the
+    model's); the caller casts the rest of the model to it.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}"
         )
-    dtype = model.dtype
+    dtype = dtype or model.dtype
     for name, mod in weight_matrices(model).items():
         w = mod.weight
         label = describe(f"{name}.weight")

@@ -276,6 +276,7 @@ def bench(
 
     return {
         "machine": machine_info("cpu" if next(model.parameters()).device.type == "cpu" else None),
+        "weight_format": getattr(model, "weight_format", str(model.dtype)),
         "num_requests": len(requests),
         "output_tokens": total,
         "threads": torch.get_num_threads(),
@@ -348,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    from llmlib.cli.common import add_format_args, model_format
+
+    add_format_args(ap, auto=False)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
@@ -358,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     from llmlib.generate import load_generator
 
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
-    gen = load_generator(args.model)
+    device, dtype, q = model_format(args)
+    gen = load_generator(args.model, device, dtype, q, group_size=args.group_size)
     model, tok = gen.model, gen.tokenizer
+    log(f"weights: {gen.weight_format}")
     reqs = make_requests(
         args.num_requests,
         model.config.vocab_size,

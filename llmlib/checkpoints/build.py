@@ -136,7 +136,10 @@ def build_model(
     # Hand the checkpoint's own tensors to the model (assign=True) instead of allocating and copying:
     # on this kind of machine first-touching half a gigabyte of fresh memory costs seconds.
     # The pre-load hooks concatenate q/k/v and gate/up into their fused matrices on the way in.
-    state = {k: v.to(device=place.device, dtype=place.dtype) for k, v in state.items()}
+    # A quantizer reads the checkpoint's own precision (codes from bfloat16-rounded weights would
+    # differ from the float32 ones at every rounding boundary); the rest is cast after packing.
+    load_dtype = torch.float32 if quantization else place.dtype
+    state = {k: v.to(device=place.device, dtype=load_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rope.reset(place.device)  # the cos/sin tables are derived from the config, never loaded
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
@@ -151,8 +154,15 @@ def build_model(
                 raise ValueError("quantization='gguf': the file stores no Q4_0/Q4_1/Q8_0 matrix")
         del state
         quantize_model(
-            model, quantization, group_size=group_size, codes=codes, describe=_describe(name_of)
+            model,
+            quantization,
+            group_size=group_size,
+            codes=codes,
+            describe=_describe(name_of),
+            dtype=place.dtype,
         )
+        for p in model.parameters():  # the norms and any matrix left dense (not the RoPE tables)
+            p.data = p.data.to(place.dtype)
         model.weight_format = _format_name(model, quantization)
         use_matvec_layout(model)  # the matrices left dense (a gguf file's float ones)
         return model.eval()
