@@ -19,10 +19,10 @@ def test_windows_score_every_token_once() -> None:
     for n, ctx, stride in [(10, 4, 2), (9, 16, 8), (100, 32, 7), (5, 2, 1)]:
         scored = [t for _, end, first in windows(n, ctx, stride) for t in range(first, end)]
         assert scored == list(range(1, n)), (n, ctx, stride)
+        assert all(end - begin <= ctx for begin, end, _ in windows(n, ctx, stride))
     # windows that do not overlap cannot score their first token (nothing before it in the window)
     scored = [t for _, end, first in windows(10, 4, 4) for t in range(first, end)]
     assert scored == [1, 2, 3, 5, 6, 7, 9]
-        assert all(end - begin <= ctx for begin, end, _ in windows(n, ctx, stride))
     with pytest.raises(ValueError):
         list(windows(10, 4, 5))
 
