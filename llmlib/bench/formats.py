@@ -295,3 +295,33 @@ def print_table(res: dict[str, Any]) -> None:
     for r in res["formats"]:
         if r.get("weight_format"):
             print(f"  {r['name']}: {r['weight_format']}")
+
+
+def breakdown(
+    path: Path,
+    names: tuple[str, ...] = ("float32", "bfloat16", "int8", "gguf"),
+    context: int = 64,
+    reps: int = 5,
+) -> dict[str, dict[str, float]]:
+    """Per format, chapter 9's decomposition of one batch-1 decode step
+    (:func:`llmlib.bench.roofline.decode_breakdown`): the full step, the weight matrices alone as
+    stored, and the same format's 30-layer skeleton (overhead), plus the bytes the step reads."""
+    import llmlib
+    from llmlib.bench.roofline import decode_breakdown, overhead_model
+    from llmlib.linear import prepare_cpu_weights
+    from llmlib.model import random_model
+    from llmlib.quantize import quantize_model
+
+    out = {}
+    for name in names:
+        dtype, q = FORMATS[name]
+        model = llmlib.load_model(path, "cpu", dtype, q)
+        skeleton = random_model(overhead_model(model.config), "cpu", model.dtype)
+        if q is not None:
+            quantize_model(skeleton, "int4" if q == "gguf" else q)
+        else:
+            prepare_cpu_weights(skeleton)
+        bd = decode_breakdown(model, skeleton, context, reps)
+        out[name] = {**bd, "weight_bytes": float(weight_bytes(model)), "format": model.weight_format}
+        del model
+    return out
