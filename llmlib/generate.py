@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from llmlib.cuda_graphs import StaticKVCache
 from llmlib.kv_cache import KVCache
 from llmlib.linear import use_matvec_layout
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
@@ -120,7 +121,7 @@ class Generator:
         self._step = decode_step
         self.compile_s: float | None = None
         if self.compile:
-            self._step = torch.compile(decode_step, dynamic=True)
+            self._step = torch.compile(decode_step)
 
     @property
     def weight_format(self) -> str:
@@ -145,16 +146,23 @@ class Generator:
         """Prompt text (str), a conversation (list of messages) or ready token ids -> (text, ids)."""
         return encode_prompt(self.tokenizer, prompt, chat=chat)
 
-    def _cache_for(self, tokens: int) -> KVCache:
+    def _cache_for(self, tokens: int) -> KVCache | StaticKVCache:
         # Reuse the cache while it is big enough; otherwise allocate one rounded up to 256 tokens
         # (capped at the context) so a slightly longer next request does not reallocate.
         if self._cache is None or self._cache.max_len < tokens:
             size = min(self.max_len, -(-tokens // 256) * 256)
             self._cache = None  # free the old one first
-            self._cache = KVCache.from_config(
-                self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
-            )
-        self._cache.reset()
+            if self.compile:
+                # fixed shapes for the compiled step: every step attends over all the slots under
+                # a mask built from the positions tensor, so no Python length changes a shape
+                # (a changing one would recompile the graph)
+                self._cache = StaticKVCache(self.config, 1, size, self.device, self.dtype)
+            else:
+                self._cache = KVCache.from_config(
+                    self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
+                )
+        if isinstance(self._cache, KVCache):
+            self._cache.reset()
         return self._cache
 
     # -- the token loop --

@@ -83,6 +83,17 @@ def pack_weights(model: nn.Module) -> int:
     return n
 
 
+def unpack_weights(model: nn.Module) -> int:
+    """Drop every oneDNN copy :func:`pack_weights` made (the model then holds its weights once);
+    return how many. ``llmlib bench batching`` times the engine both ways in one run."""
+    n = 0
+    for p in model.parameters():
+        if getattr(p, _ATTR, None) is not None:
+            delattr(p, _ATTR)
+            n += 1
+    return n
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` would use a packed copy of ``weight`` for a multi-row input."""
     packed = getattr(weight, _ATTR, None)

@@ -270,6 +270,20 @@ def bench(
         f" (block size {block_size}), preemptions {con['stats'].preemptions}"
     )
     # the three must agree on the tokens (greedy) wherever they ran the same requests
+    from llmlib.bench.formats import fp32_copy_check
+
+    copy = fp32_copy_check(
+        run_continuous,
+        model,
+        tokenizer,
+        requests,
+        con,
+        max_num_seqs,
+        block_size,
+        max_num_batched_tokens,
+        num_blocks,
+        log=log,
+    )
     agree_static = sum(a == b for a, b in zip(sta["outputs"], con["outputs"])) / len(requests)
     agree_seq = sum(a == b for a, b in zip(seq["outputs"], con["outputs"])) / len(seq_reqs)
     from llmlib.device import machine_info
@@ -300,6 +314,7 @@ def bench(
         "paged_pool_blocks": con["pool_blocks"],
         "preemptions": con["stats"].preemptions,
         "same_tokens_as_continuous": {"sequential": agree_seq, "static": agree_static},
+        "fp32_onednn_copy": copy,
     }
 
 

@@ -322,6 +322,36 @@ def breakdown(
         else:
             prepare_cpu_weights(skeleton)
         bd = decode_breakdown(model, skeleton, context, reps)
-        out[name] = {**bd, "weight_bytes": float(weight_bytes(model)), "format": model.weight_format}
+        out[name] = {
+            **bd,
+            "weight_bytes": float(weight_bytes(model)),
+            "format": model.weight_format,
+        }
         del model
     return out
+
+
+def fp32_copy_check(
+    run_continuous, model, tokenizer, requests, con, *engine_args, log=print
+) -> dict | None:
+    """A float32 CPU model holds a second, oneDNN-blocked copy of its matrices for multi-row
+    products (:func:`llmlib.linear.pack_weights`). Whether it pays for itself: the continuous
+    run again without it, in the same run, and the bytes it costs."""
+    from llmlib.linear import is_packed, pack_weights, unpack_weights
+
+    mats = [p for p in model.parameters() if p.dim() == 2 and is_packed(p)]
+    if not mats:
+        return None
+    extra = sum(p.numel() * p.element_size() for p in mats)
+    unpack_weights(model)
+    try:
+        without = run_continuous(model, tokenizer, requests, *engine_args)
+    finally:
+        pack_weights(model)
+    total = sum(r.max_tokens for r in requests)
+    w, wo = total / con["seconds"], total / without["seconds"]
+    log(
+        f"  float32 oneDNN copy: continuous {w:.1f} tok/s with it, {wo:.1f} without "
+        f"({w / wo:.2f}x) for {extra / 2**20:.0f} MiB more"
+    )
+    return {"with_tok_s": w, "without_tok_s": wo, "ratio": w / wo, "extra_bytes": extra}
