@@ -234,19 +234,10 @@ def bench(
     seq_tps = sum(r.max_tokens for r in seq_reqs) / seq["seconds"]
     log(f"  sequential   {seq_tps:8.1f} tok/s  ({seq['seconds']:.1f} s)")
     runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+    engine = (max_num_seqs, block_size, max_num_batched_tokens, num_blocks)
     for _ in range(max(1, repeats)):
         runs["static"].append(run_static(model, requests, static_batch))
-        runs["continuous"].append(
-            run_continuous(
-                model,
-                tokenizer,
-                requests,
-                max_num_seqs,
-                block_size,
-                max_num_batched_tokens,
-                num_blocks,
-            )
-        )
+        runs["continuous"].append(run_continuous(model, tokenizer, requests, *engine))
     sta, con = (
         sorted(runs[m], key=lambda r: r["seconds"])[(len(runs[m]) - 1) // 2]
         for m in ("static", "continuous")
@@ -272,18 +263,7 @@ def bench(
     # the three must agree on the tokens (greedy) wherever they ran the same requests
     from llmlib.bench.formats import fp32_copy_check
 
-    copy = fp32_copy_check(
-        run_continuous,
-        model,
-        tokenizer,
-        requests,
-        con,
-        max_num_seqs,
-        block_size,
-        max_num_batched_tokens,
-        num_blocks,
-        log=log,
-    )
+    copy = fp32_copy_check(run_continuous, model, tokenizer, requests, con, *engine, log=log)
     agree_static = sum(a == b for a, b in zip(sta["outputs"], con["outputs"])) / len(requests)
     agree_seq = sum(a == b for a, b in zip(seq["outputs"], con["outputs"])) / len(seq_reqs)
     from llmlib.device import machine_info
