@@ -104,8 +104,9 @@ LAYERS = [
         "llmlib.sampling",
         "llmlib.kv_cache",
         "llmlib.roofline",
+        "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
-    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
+    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
     {"llmlib.engine"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib"},
 ]

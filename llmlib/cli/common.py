@@ -89,11 +89,10 @@ def auto_format(
     return place.device, place.dtype, q
 
 
-def load_generator_for(args: argparse.Namespace, compile: bool = False) -> Any:
-    """The Generator the model arguments describe, in the format they ask for (or the default)."""
+def generator_args(args: argparse.Namespace) -> tuple[Any, Any, Any, str | None]:
+    """``(path, device, dtype, quantization)`` for :func:`llmlib.generate.load_generator`: the
+    format the model arguments ask for, or the default (:func:`auto_format`)."""
     from llmlib.checkpoints import resolve_model_path
-    from llmlib.generate import load_generator
 
     path = resolve_model_path(args.model)
-    device, dtype, q = auto_format(path, *model_format(args))
-    return load_generator(path, device, dtype, q, group_size=args.group_size, compile=compile)
+    return (path, *auto_format(path, *model_format(args)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmlib.cli.common import add_model_args, add_sampling_args, load_generator_for, sampling_params
+from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
+from llmlib.generate import load_generator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        gen = load_generator_for(args, compile=args.compile)
+        gen = load_generator(
+            *generator_args(args), group_size=args.group_size, compile=args.compile
+        )
         if args.compile:
             gen.warmup()  # compile now, so the timing line reports decode, not compilation
         # An instruction-tuned model answers a bare question badly (SmolLM2's first greedy token
