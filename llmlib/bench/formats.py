@@ -68,6 +68,9 @@ def stored_bytes(model: torch.nn.Module) -> int:
     """Bytes the format stores: every tensor of the model once (parameters and packed buffers)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # oneDNN's opaque blocked layout: no storage to ask
+            total += t.numel() * t.element_size()
+            continue
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         if t.device.type != "meta" and key not in seen:
             seen.add(key)
@@ -76,19 +79,21 @@ def stored_bytes(model: torch.nn.Module) -> int:
 
 
 _RSS = """
-import ctypes, gc, json, sys, psutil, torch
+import ctypes, gc, json, os, sys, torch
 import llmlib
 from llmlib.bench.formats import stored_bytes
 torch.set_num_threads(1)
-p = psutil.Process()
-before = p.memory_info().rss
+def rss():  # resident pages of this process (Linux)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
 m = llmlib.load_model(sys.argv[1], "cpu", sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3])
 gc.collect()
 try:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 except OSError:
     pass
-print(json.dumps({"rss": p.memory_info().rss - before, "stored": stored_bytes(m)}))
+print(json.dumps({"rss": rss() - before, "stored": stored_bytes(m)}))
 """
 
 
@@ -121,18 +126,23 @@ def _llama_cpp(path: Path, threads: int, prompt_ids: list[int], new_tokens: int)
         verbose=False,
     )
 
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:  # the newest token's logits, straight from the context
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
     def run() -> tuple[list[int], float]:
         import time
 
         llm.reset()
         llm.eval(prompt_ids)
         toks: list[int] = []
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = last_argmax()
         t0 = time.perf_counter()
         for _ in range(new_tokens - 1):
             toks.append(tok)
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = last_argmax()
         toks.append(tok)
         return toks, time.perf_counter() - t0
 
