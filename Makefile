@@ -1,6 +1,7 @@
 # The Inference Path: two commands do everything, on a fresh machine with Python 3.10+.
 #   make book   build the book (HTML in _build/html/intro.html)
 #   make test   lint, unit tests, reference checks, notebooks, strict book build, page screenshots
+#   make lab    open the chapters in JupyterLab, on the project's kernel, to run them cell by cell
 # Both are idempotent: the virtual environment is made once and reinstalled only when
 # pyproject.toml changes; the model is fetched once and checked by its SHA-256.
 
@@ -10,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JB     := $(BIN)/jupyter-book build -W -n --keep-going .
 
-.PHONY: book test venv fetch lint unit build-book pages gpu-check gpu-check-dry clean
+.PHONY: book test lab venv fetch lint unit build-book pages gpu-check gpu-check-dry clean
 
 book: venv fetch
 	$(JB)
@@ -18,6 +19,14 @@ book: venv fetch
 	@echo "The book is at $(CURDIR)/_build/html/intro.html"
 
 test: venv fetch lint unit build-book pages
+
+# JupyterLab on the chapters with this environment's Python as the kernel. The kernel spec is
+# written into the venv (it wins over a user-wide "python3" inside a venv), so the notebooks run
+# on the venv's Python and llmlib whatever else is installed. LAB_ARGS=--no-browser on a server.
+LAB_ARGS ?=
+lab: venv fetch
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (The Inference Path)" >/dev/null
+	$(BIN)/jupyter lab $(LAB_ARGS) chapters/01_the_inference_path.ipynb
 
 venv: $(STAMP)
 

@@ -12,15 +12,22 @@ Three implementations of the same function, all taking ``q [B, H, T, hd]`` and `
   softmax"), and never hold more than one ``block_q x block_k`` tile of scores at a time.
 
 Masks: ``mask=None`` means causal, aligned to the end (query ``i`` of ``T`` sits at position
-``S - T + i`` among the ``S`` keys). Otherwise ``mask`` is a bool tensor broadcastable to
-``[B, 1, T, S]``, True where a query may attend, and is used as given.
+``S - T + i`` among the ``S`` keys), and with ``window=W`` also *sliding*: each query sees only the
+``W`` latest keys up to itself (Mistral, Gemma's local layers). Otherwise ``mask`` is a bool tensor
+broadcastable to ``[B, 1, T, S]``, True where a query may attend, and is used as given: a cache that
+hands back a mask has already applied any window. Two more options some families set: ``scale``
+(the score scale, default ``1 / sqrt(head_dim)``) and ``softcap`` (scores squashed to
+``cap * tanh(score / cap)`` before the softmax, Gemma 2).
 
 :class:`Attention` is the layer: one fused projection to q, k, v; RoPE on q and k; the optional KV
-cache hook (``cache.update``); attention; the output projection ``wo``.
+cache hook (``cache.update``); attention; the output projection ``wo``. It is one module, a
+little over the usual size, because chapter 5 builds it as one: the functions, the contract a
+cache implements and the layer that calls both, with every family's options threaded through.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -31,6 +38,7 @@ from torch import nn
 
 from llmlib.config import ModelConfig
 from llmlib.linear import linear
+from llmlib.norm import RMSNorm
 from llmlib.rope import apply_rope
 
 # ---- the three attention functions ---------------------------------------------------------
@@ -43,9 +51,19 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.repeat_interleave(n_rep, dim=1)
 
 
-def causal_mask(T: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[T, S]`` bool, True where query ``i`` (at position ``S - T + i``) may see key ``j``: ``j <= S - T + i``."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+def causal_mask(
+    T: int, S: int, device: torch.device | str | None = None, window: int | None = None
+) -> torch.Tensor:
+    """``[T, S]`` bool, True where query ``i`` (at position ``S - T + i``) may see key ``j``: ``j <= S - T + i``
+    and, with a sliding ``window``, ``j > S - T + i - window`` (the query itself and ``window - 1`` before)."""
+    ones = torch.ones(T, S, dtype=torch.bool, device=device)
+    allowed = ones.tril(diagonal=S - T)
+    return allowed if window is None else allowed & ones.triu(diagonal=S - T - window + 1)
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(scores / cap)``: close to the identity for small scores, never beyond ``cap``."""
+    return torch.tanh(scores / cap) * cap
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -67,6 +85,9 @@ def naive_attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     return_probs: bool = False,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(hd) + mask) v, with the whole ``[B, H, T, S]`` grid in memory.
 
@@ -78,7 +99,9 @@ def naive_attention(
     T, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, S]: the grid the other two avoid
-    allowed = causal_mask(T, S, q.device) if mask is None else mask
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    allowed = causal_mask(T, S, q.device, window) if mask is None else mask
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = probs @ v
@@ -86,18 +109,33 @@ def naive_attention(
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The production path: PyTorch's fused kernel, GQA handled inside it (no copies of k and v)."""
+    """The production path: PyTorch's fused kernel, GQA handled inside it (no copies of k and v).
+
+    The fused kernel cannot soft-cap scores; with ``softcap`` this is :func:`naive_attention`.
+    """
+    if softcap is not None:
+        return naive_attention(q, k, v, mask, scale, window=window, softcap=softcap)
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        if T == S or T == 1:  # square causal grid; or one query that may see every key
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        mask = causal_mask(
-            T, S, q.device
-        )  # SDPA's is_causal aligns to the top-left; we need bottom-right
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if window is not None and window < S:  # some key lies beyond some query's reach
+            mask = causal_mask(T, S, q.device, window)
+        elif T == S or T == 1:  # square causal grid; or one query that may see every key
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
+            )
+        else:  # SDPA's is_causal aligns to the top-left; we need bottom-right
+            mask = causal_mask(T, S, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def tiled_attention(
@@ -107,6 +145,10 @@ def tiled_attention(
     mask: torch.Tensor | None = None,
     block_q: int = 64,
     block_k: int = 64,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Flash-style attention in PyTorch: exact softmax attention without the ``T x S`` grid.
 
@@ -115,12 +157,16 @@ def tiled_attention(
     output ``acc``. When a new tile raises the maximum, the old ``l`` and ``acc`` are rescaled by
     ``exp(m_old - m_new)``, which makes the result identical to a softmax over all keys at once.
     Peak extra memory is one ``block_q x block_k`` score tile per head instead of ``T x S``.
-    Causal tiles that lie entirely above the diagonal are skipped, not computed and masked.
+    Causal tiles that lie entirely above the diagonal are skipped, not computed and masked; with a
+    sliding ``window`` so are the tiles entirely before it, so the work per query is bounded by
+    the window instead of growing with the sequence.
     """
     n_rep = _check_shapes(q, k, v)
     B, H, T, hd = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(hd)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    if mask is not None or (window is not None and window >= S):
+        window = None  # a given mask already says it all; a window longer than S changes nothing
     # Group the query heads by the KV head they share: [B, Hkv, n_rep, T, hd]; k/v broadcast over n_rep.
     qg = q.view(B, Hkv, n_rep, T, hd)
     kg, vg = k.unsqueeze(2), v.unsqueeze(2)
@@ -134,22 +180,28 @@ def tiled_attention(
         m = torch.full((*qt.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 - the FlashAttention paper's name for the denominator
         acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
-        k_end = (
-            S if mask is not None else min(S, offset + q1)
-        )  # keys past the last query's position never count
-        for k0 in range(0, k_end, block_k):
+        # keys past the last query's position never count
+        k_end = S if mask is not None else min(S, offset + q1)
+        # keys before the window of the tile's first query never count either
+        k_start = 0 if window is None else max(0, offset + q0 - window + 1)
+        for k0 in range(k_start, k_end, block_k):
             k1 = min(k0 + block_k, k_end)
             s = (qt @ kg[..., k0:k1, :].transpose(-2, -1)).float()  # one [bq, bk] tile per head
+            if softcap is not None:
+                s = soft_cap(s, softcap)
             if mask is not None:
                 s = s.masked_fill(~mask[..., q0:q1, k0:k1], float("-inf"))
-            elif k1 > offset + q0:  # this tile crosses the diagonal
+            elif k1 > offset + q0 or (window is not None and k0 <= offset + q1 - 1 - window):
+                # this tile crosses the diagonal, or the window's far edge
                 qpos = torch.arange(q0, q1, device=q.device)[:, None] + offset
                 kpos = torch.arange(k0, k1, device=q.device)[None, :]
-                s = s.masked_fill(kpos > qpos, float("-inf"))
+                hidden = kpos > qpos
+                if window is not None:
+                    hidden |= kpos <= qpos - window
+                s = s.masked_fill(hidden, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_safe = torch.where(
-                torch.isinf(m_new), torch.zeros_like(m_new), m_new
-            )  # rows with nothing visible yet
+            # rows with nothing visible yet
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe)
             correction = torch.exp(m - m_safe)
             l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741
@@ -179,10 +231,20 @@ class KVCacheLike(Protocol):
     to the keys) at ``positions`` ``[B, T]`` and returns every key and value the new queries may
     attend over, ``[B, Hkv, S, hd]``, with a bool mask broadcastable to ``[B, 1, T, S]`` (True =
     may attend) or None for plain causal attention over ``S == T`` keys.
+
+    A sliding-window layer passes ``window=W``: the mask must then also hide keys ``W`` or more
+    positions behind each query (None still means causal; the attention function applies the
+    window). A cache without ``window`` fails loudly on such a model instead of attending too far.
     """
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -194,7 +256,14 @@ class AttendingCache(Protocol):
     """
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionFn
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: AttentionFn,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -208,27 +277,28 @@ def register_fused_linear(module: nn.Module, fused: str, parts: list[tuple[str, 
     for decoding a small model on a CPU where per-call overhead is a real share of a token's time.
     On load, the separate tensors (the names every checkpoint and ``llmlib.model`` documents) are
     concatenated; on save, the fused tensor is split back. ``parts`` is ``[(name, n_rows), ...]``.
+    Biases (``<part>.bias``, Qwen2's q, k, v) are fused and split the same way.
     """
     names = [n for n, _ in parts]
     sizes = [r for _, r in parts]
 
     def on_load(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        keys = [f"{prefix}{n}.weight" for n in names]
-        if all(key in state_dict for key in keys):
-            for key, rows in zip(keys, sizes):
-                if state_dict[key].shape[0] != rows:
-                    raise ValueError(
-                        f"tensor {key} has shape {tuple(state_dict[key].shape)}, expected {rows} rows"
-                    )
-            state_dict[f"{prefix}{fused}.weight"] = torch.cat(
-                [state_dict.pop(key) for key in keys], dim=0
-            )
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{n}.{kind}" for n in names]
+            if all(key in state_dict for key in keys):
+                for key, rows in zip(keys, sizes):
+                    if (shape := tuple(state_dict[key].shape))[0] != rows:
+                        raise ValueError(f"tensor {key} has shape {shape}, expected {rows} rows")
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
+                    [state_dict.pop(key) for key in keys], dim=0
+                )
 
     def on_save(mod, state_dict, prefix, local_metadata):
-        key = f"{prefix}{fused}.weight"
-        if key in state_dict:
-            for n, w in zip(names, state_dict.pop(key).split(sizes, dim=0)):
-                state_dict[f"{prefix}{n}.weight"] = w
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key in state_dict:
+                for n, w in zip(names, state_dict.pop(key).split(sizes, dim=0)):
+                    state_dict[f"{prefix}{n}.{kind}"] = w
 
     module.register_load_state_dict_pre_hook(on_load)
     module.register_state_dict_post_hook(on_save)
@@ -240,8 +310,10 @@ def register_fused_linear(module: nn.Module, fused: str, parts: list[tuple[str, 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE and a pluggable KV cache.
 
-    State-dict names: ``wq``, ``wk``, ``wv``, ``wo`` (``.weight``). Internally q, k and v come out
-    of one fused matrix ``wqkv`` (see :func:`register_fused_linear`).
+    State-dict names: ``wq``, ``wk``, ``wv``, ``wo`` (``.weight``, and ``.bias`` where the family
+    has them), ``q_norm``/``k_norm`` (per-head RMSNorm gains, Qwen3 and Gemma 3). Internally q, k
+    and v come out of one fused matrix ``wqkv`` (see :func:`register_fused_linear`). The layer's
+    sliding window, score scale and soft cap come from the config (:attr:`attn_options`).
 
     The cache hook (:class:`KVCacheLike`): with ``cache`` given, after computing the new k and v
     (RoPE already applied to k) the layer calls ``cache.update(layer_idx, k, v, positions)`` and
@@ -259,9 +331,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.splits = [q_rows, kv_rows, kv_rows]
-        self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=False, device=device)
-        self.wo = nn.Linear(q_rows, cfg.d_model, bias=False, device=device)
+        self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=cfg.qkv_bias, device=device)
+        self.wo = nn.Linear(q_rows, cfg.d_model, bias=cfg.out_bias, device=device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # one gain per channel of a head, shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, cfg.norm_offset)
         self.backend = "sdpa"  # or "naive" / "tiled": same numbers, for the book and the tests
+        self.window = cfg.window(layer_idx)  # None, or the keys a query sees (itself included)
+        #: what the attention function is called with beyond (q, k, v, mask); {} for Llama
+        opts = {"scale": cfg.attn_scale, "softcap": cfg.attn_softcap, "window": self.window}
+        self.attn_options = {k: val for k, val in opts.items() if val is not None}
         register_fused_linear(self, "wqkv", [("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)])
 
     def project_qkv(
@@ -276,8 +356,11 @@ class Attention(nn.Module):
         # One matmul gives every head's q, k and v side by side: [B, T, H + 2 Hkv, hd]. RoPE then runs
         # once over the q and k heads together (the same rotation for every head of a token), so a
         # decode step pays for one set of elementwise ops instead of two; the transposes are views.
-        qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hkv, hd)
-        qk = apply_rope(qkv[:, :, : H + Hkv], cos.transpose(1, 2), sin.transpose(1, 2))
+        qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(B, T, H + 2 * Hkv, hd)
+        qk = qkv[:, :, : H + Hkv]
+        if self.q_norm is not None:  # Qwen3, Gemma 3: each head's q and k normalised first
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))
         q = qk[:, :, :H].transpose(1, 2)
         k = qk[:, :, H:].transpose(1, 2)
         v = qkv[:, :, H + Hkv :].transpose(1, 2)
@@ -294,18 +377,24 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         attention = ATTENTION_BACKENDS[self.backend]
+        if self.attn_options:  # a family's window, scale or soft cap
+            attention = functools.partial(attention, **self.attn_options)
+        # a window reaches the cache only where there is one: a cache that cannot take it must fail
+        win = {} if self.window is None else {"window": self.window}
         attend = getattr(cache, "attend", None)
         if attend is not None:
             # An AttendingCache (the paged engine's step) knows which sequence each token belongs
             # to and runs attention itself, sequence by sequence, with this layer's function.
-            out = attend(self.layer_idx, q, k, v, attention)
+            out = attend(self.layer_idx, q, k, v, attention, **win)
         else:
-            mask = None  # None: plain causal over these T tokens
+            mask = None  # None: plain causal over these T tokens (within the window, if any)
             if cache is not None:
-                k, v, mask = cache.update(self.layer_idx, k, v, positions)
+                k, v, mask = cache.update(self.layer_idx, k, v, positions, **win)
             out = attention(q, k, v, mask)
         return linear(
-            out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.wo.weight
+            out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim),
+            self.wo.weight,
+            self.wo.bias,
         )
 
 
@@ -329,7 +418,9 @@ def attention_maps(
         def hook(attn: Attention, args: tuple) -> None:
             x, cos, sin = args[:3]
             q, k, v = attn.project_qkv(x, cos, sin)
-            maps[i] = naive_attention(q.float(), k.float(), v.float(), return_probs=True)[1]
+            maps[i] = naive_attention(
+                q.float(), k.float(), v.float(), return_probs=True, **attn.attn_options
+            )[1]
 
         return hook
 

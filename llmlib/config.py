@@ -13,15 +13,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmlib.families import FULL, SLIDING, hf_config_fields
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3's frequency scaling for long contexts (``rope_scaling.rope_type == "llama3"``)."""
+    """RoPE frequency scaling for long contexts.
+
+    ``rope_type="llama3"``: Llama-3's recipe (slow pairs stretched by ``factor``, fast pairs kept,
+    a blend between; all four numbers matter). ``rope_type="linear"``: every frequency divided by
+    ``factor`` (Gemma 3's global layers); the other three numbers are unused.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+
+#: Activations of the gated FFN: SwiGLU's SiLU, and GeGLU's tanh-approximated GELU (Gemma).
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,24 @@ class ModelConfig:
     n_experts_per_token: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # ---- what other families change; the defaults are Llama's (llmlib.families reads them) ----
+    family: str = "llama"  # the config.json model_type this was read from
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    out_bias: bool = False  # a bias on the output projection too (attention_bias=true)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): 1.0 in Gemma
+    post_norms: bool = False  # a second RMSNorm on each sub-layer's output (Gemma 2 and 3)
+    activation: str = "silu"  # the FFN gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    scale_embeddings: bool = False  # embedding rows times sqrt(d_model) (Gemma)
+    attn_scale: float | None = None  # score scale; None: 1/sqrt(head_dim) (Gemma: from the config)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    sliding_window: int | None = None  # keys a query may see in a sliding layer, itself included
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () = all alike (see window)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    expert_ffn_dim: int = 0  # width of each expert; 0: ffn_dim (Mixtral); Qwen3-MoE sets it
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense FFN (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -68,11 +98,56 @@ class ModelConfig:
             )
         if self.n_experts and not (0 < self.n_experts_per_token <= self.n_experts):
             raise ValueError("n_experts_per_token must be in 1..n_experts for a mixture of experts")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.layer_types:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}"
+                )
+            bad = sorted(set(self.layer_types) - {FULL, SLIDING})
+            if bad:
+                raise ValueError(f"unsupported layer type {bad[0]!r} (only {FULL!r}, {SLIDING!r})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"sliding_window must be a positive integer, got {self.sliding_window}"
+            )
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding layers but sliding_window is not set")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if any(not 0 <= i < self.n_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers {self.dense_layers} lie outside 0..{self.n_layers - 1}")
 
     @property
     def gqa_group(self) -> int:
         """How many query heads share one key/value head."""
         return self.n_heads // self.n_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends over the whole past).
+
+        With ``layer_types`` empty, every layer is alike: all sliding if ``sliding_window`` is set
+        (Mistral), else all full (Llama).
+        """
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the local RoPE base (Gemma 3's sliding layers)."""
+        return self.rope_local_theta is not None and self.window(layer) is not None
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s FFN is a mixture of experts."""
+        return bool(self.n_experts) and layer not in self.dense_layers
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden width of one expert (Mixtral: ``ffn_dim``; Qwen3-MoE: its own, narrower)."""
+        return self.expert_ffn_dim or self.ffn_dim
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -80,58 +155,17 @@ class ModelConfig:
     # ---- Hugging Face config.json ---------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` of a Llama or Mixtral model.
+        """Read a Hugging Face ``config.json`` of any family in :data:`llmlib.families.FAMILIES`.
 
-        transformers 5.x writes ``rope_parameters`` (with ``rope_theta`` inside); checkpoints on
-        the hub still carry ``rope_theta`` and ``rope_scaling`` at the top level. Both are read.
+        The family's own reader (:func:`llmlib.families.hf_config_fields`) maps its fields onto
+        this dataclass; anything it does not implement is a ``ValueError`` naming the field.
         """
-        arch = (d.get("model_type") or "").lower()
-        if arch not in ("llama", "mixtral", "mistral"):
-            raise ValueError(
-                f"unsupported model_type {d.get('model_type')!r} in config.json (llama, mistral or mixtral)"
-            )
-        rope = dict(d.get("rope_parameters") or {})
-        scaling = d.get("rope_scaling") or (
-            rope if rope.get("rope_type", rope.get("type")) == "llama3" else None
-        )
-        theta = d.get("rope_theta", rope.get("rope_theta", 10_000.0))
-        rs = None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "llama3":
-                rs = RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(
-                        scaling["original_max_position_embeddings"]
-                    ),
-                )
-            elif kind not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
-        eos = d.get("eos_token_id")
-        eos_ids = (
-            tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        )
-        n_heads = int(d["num_attention_heads"])
+        fields = hf_config_fields(d)
+        rs = fields.pop("rope_scaling")
         return cls(
-            name=name or d.get("_name_or_path") or arch,
-            vocab_size=int(d["vocab_size"]),
-            d_model=int(d["hidden_size"]),
-            n_layers=int(d["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-            ffn_dim=int(d["intermediate_size"]),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // n_heads),
-            max_seq_len=int(d.get("max_position_embeddings", 8192)),
-            rope_theta=float(theta),
-            rope_scaling=rs,
-            norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            n_experts=int(d.get("num_local_experts", 0) or 0),
-            n_experts_per_token=int(d.get("num_experts_per_tok", 0) or 0),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            name=name or d.get("_name_or_path") or fields["family"],
+            rope_scaling=None if rs is None else RopeScaling(**rs),
+            **fields,
         )
 
     @classmethod

@@ -81,6 +81,7 @@ class ParamCounts:
     ffn_active_per_layer: int
     n_layers: int
     tied: bool
+    layers_sum: int | None = None  # every layer's parameters, when layers differ (Qwen3-MoE)
 
     @property
     def attention_per_layer(self) -> int:
@@ -100,7 +101,7 @@ class ParamCounts:
 
     @property
     def layers_total(self) -> int:
-        return self.per_layer * self.n_layers
+        return self.per_layer * self.n_layers if self.layers_sum is None else self.layers_sum
 
     @property
     def lm_head_read(self) -> int:
@@ -130,15 +131,20 @@ def param_counts(cfg: ModelConfig | str) -> ParamCounts:
     """Count a model's parameters component by component, from the one shape table.
 
     :func:`llmlib.shapes.param_shapes` lists every tensor a checkpoint of ``cfg`` holds; the
-    components here are sums over it (layer 0 stands for every layer: they are all alike).
+    components here are sums over it (one layer stands for every layer: the first routed one in a
+    mixture of experts whose config keeps some layers dense, else layer 0; ``total`` sums them
+    all). Biases count with their projection; per-head q/k norms and post-norms with the two norms.
     """
     cfg = get_config(cfg)
     shapes = param_shapes(cfg)
+    rep = next((i for i in range(cfg.n_layers) if cfg.is_moe(i)), 0)
 
-    def total(suffix: str, layer: int | None = 0) -> int:
+    def total(*suffixes: str, layer: int | None = rep) -> int:
         prefix = "" if layer is None else f"layers.{layer}."
         return sum(
-            numel(s) for k, s in shapes.items() if k.startswith(prefix) and k.endswith(suffix)
+            numel(s)
+            for k, s in shapes.items()
+            if k.startswith(prefix) and any(k.endswith(x) for x in suffixes)
         )
 
     router = total("ffn.router.weight")
@@ -150,12 +156,14 @@ def param_counts(cfg: ModelConfig | str) -> ParamCounts:
         embedding=numel(shapes["embed.weight"]),
         lm_head=numel(shapes.get("lm_head.weight", ())) if "lm_head.weight" in shapes else 0,
         final_norm=numel(shapes["norm.weight"]),
-        attn_q=total("attn.wq.weight"),
-        attn_k=total("attn.wk.weight"),
-        attn_v=total("attn.wv.weight"),
-        attn_o=total("attn.wo.weight"),
-        attn_norm=total("attn_norm.weight"),
-        ffn_norm=total("ffn_norm.weight"),
+        attn_q=total("attn.wq.weight", "attn.wq.bias"),
+        attn_k=total("attn.wk.weight", "attn.wk.bias"),
+        attn_v=total("attn.wv.weight", "attn.wv.bias"),
+        attn_o=total("attn.wo.weight", "attn.wo.bias"),
+        attn_norm=total(
+            "attn_norm.weight", "attn_post_norm.weight", "q_norm.weight", "k_norm.weight"
+        ),
+        ffn_norm=total("ffn_norm.weight", "ffn_post_norm.weight"),
         ffn_gate=total("w_gate.weight"),
         ffn_up=total("w_up.weight"),
         ffn_down=total("w_down.weight"),
@@ -163,6 +171,7 @@ def param_counts(cfg: ModelConfig | str) -> ParamCounts:
         ffn_active_per_layer=active,
         n_layers=cfg.n_layers,
         tied=cfg.tie_embeddings,
+        layers_sum=sum(numel(s) for k, s in shapes.items() if k.startswith("layers.")),
     )
 
 

@@ -60,13 +60,24 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+    def update(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        window: int | None = None,
+    ):
         b, hkv, t, hd = k.shape
         idx = positions[:, None, :, None].expand(b, hkv, t, hd)
         k_all, v_all = self.k[layer, :b], self.v[layer, :b]  # views: writes land in the cache
         k_all.scatter_(2, idx, k.to(k_all.dtype))
         v_all.scatter_(2, idx, v.to(v_all.dtype))
-        mask = self._slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        slots, pos = self._slots[None, None, None, :], positions[:, None, :, None]
+        mask = slots <= pos  # [B, 1, T, S]
+        if window is not None:  # a sliding layer: only the latest `window` slots up to the query
+            mask = mask & (slots > pos - window)
         return k_all, v_all, mask
 
 

@@ -18,18 +18,32 @@ from llmlib.linear import embedding_rows, linear
 
 
 class TokenEmbedding(nn.Module):
-    """The ``[vocab_size, d_model]`` table (state-dict name ``embed.weight``)."""
+    """The ``[vocab_size, d_model]`` table (state-dict name ``embed.weight``).
 
-    def __init__(self, vocab_size: int, d_model: int, device: torch.device | str | None = None):
+    ``scale`` multiplies every row on the way out: Gemma uses ``sqrt(d_model)``, so its tied
+    table can keep small entries for the LM head while the stream starts at unit size. The factor
+    is rounded to the table's dtype first, as the reference implementation does.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        device: torch.device | str | None = None,
+        scale: float | None = None,
+    ):
         super().__init__()
+        self.scale = scale
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model, device=device))
-        if (
-            self.weight.device.type != "meta"
-        ):  # a loader builds on meta and fills from the checkpoint
+        # a loader builds on meta and fills from the checkpoint
+        if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_rows(ids, self.weight)  # a quantized tied table reads its own rows
+        x = embedding_rows(ids, self.weight)  # a quantized tied table reads its own rows
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
+        return x
 
 
 def embed_one_hot(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ class GPU:
     bf16_tflops: float  # dense bf16 tensor-core TFLOP/s
     memory_gb: float  # device memory capacity, GB
     source: str
+    link_gbs: float = 0.0  # GB/s each way between GPUs of one machine (NVLink, else PCIe)
+    link: str = ""  # what that link is, and where the figure comes from
 
     @property
     def bandwidth(self) -> float:
@@ -33,6 +35,11 @@ class GPU:
     def flops(self) -> float:
         """Dense bf16 FLOP/s."""
         return self.bf16_tflops * 1e12
+
+    @property
+    def link_bandwidth(self) -> float:
+        """Bytes per second each way on the GPU-to-GPU link (what a ring all-reduce streams over)."""
+        return self.link_gbs * 1e9
 
     @property
     def ridge(self) -> float:
@@ -48,6 +55,8 @@ GPUS: dict[str, GPU] = {
         80,
         "NVIDIA H100 Tensor Core GPU datasheet: 3.35 TB/s HBM3; "
         "BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense",
+        450.0,
+        "NVLink 4: the H100 SXM datasheet's 900 GB/s counts both directions, so 450 GB/s each way",
     ),
     "h200": GPU(
         "NVIDIA H200 SXM 141GB",
@@ -56,6 +65,8 @@ GPUS: dict[str, GPU] = {
         141,
         "NVIDIA H200 Tensor Core GPU datasheet: 4.8 TB/s HBM3e; "
         "BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense",
+        450.0,
+        "NVLink 4: the H200 SXM datasheet's 900 GB/s counts both directions, so 450 GB/s each way",
     ),
     "a100-80gb": GPU(
         "NVIDIA A100 80GB SXM",
@@ -64,13 +75,18 @@ GPUS: dict[str, GPU] = {
         80,
         "NVIDIA A100 Tensor Core GPU datasheet: 2,039 GB/s HBM2e (80GB SXM); "
         "BF16 Tensor Core 312 TFLOPS dense (624 sparse)",
+        300.0,
+        "NVLink 3: the A100 datasheet's 600 GB/s counts both directions, so 300 GB/s each way",
     ),
     "l4": GPU(
         "NVIDIA L4 24GB",
         0.300,
         121.0,
         24,
-        "NVIDIA L4 Tensor Core GPU datasheet: 300 GB/s GDDR6; BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense",
+        "NVIDIA L4 Tensor Core GPU datasheet: 300 GB/s GDDR6; "
+        "BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense",
+        32.0,
+        "no NVLink: PCIe Gen4 x16 (the L4 datasheet's 64 GB/s counts both directions)",
     ),
     "rtx-4090": GPU(
         "NVIDIA GeForce RTX 4090 24GB",
@@ -79,6 +95,8 @@ GPUS: dict[str, GPU] = {
         24,
         "NVIDIA Ada GPU Architecture whitepaper, RTX 4090 column: 1,008 GB/s GDDR6X; peak BF16 Tensor TFLOPS "
         "with FP32 accumulate 165.2 dense (330.4 sparse). (82.6 is its FP32/TF32 rate, not bf16.)",
+        32.0,
+        "no NVLink: PCIe Gen4 x16, about 32 GB/s each way",
     ),
 }
 

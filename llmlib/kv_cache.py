@@ -11,6 +11,10 @@ The price is memory. This cache is preallocated at its full size,
 is exactly chapter 1's formula ``2 · layers · kv_heads · head_dim · tokens · bytes_per_element``.
 Preallocating means no tensor grows during generation (no copies, no fragmentation); chapter 10
 replaces it by a paged cache that hands out memory in blocks as sequences grow.
+
+A sliding-window layer (Mistral, Gemma's local layers) is only a different mask here: keys more
+than ``window - 1`` positions behind a query are hidden. They are still stored (the cache keeps
+every token of every layer, so its size is still the formula); only the mask changes.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class KVCache:
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.n_layers, self.batch, self.max_len = n_layers, batch, max_len
         self.length = 0  # tokens stored, the same for every row
-        # masks are the same for every layer of one forward pass: build once per pass, reuse
-        self._mask: torch.Tensor | None = None
+        # masks are the same for every layer of one forward pass (per window): build once, reuse
+        self._masks: dict[int | None, torch.Tensor | None] = {}
         self._all_true = torch.ones(1, 1, 1, max_len, dtype=torch.bool, device=device)
 
     @classmethod
@@ -94,7 +98,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget everything stored (the memory stays allocated for the next request)."""
         self.length = 0
-        self._mask = None
+        self._masks = {}
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (e.g. to reuse a shared prompt prefix)."""
@@ -103,7 +107,13 @@ class KVCache:
         self.length = length
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store the new keys/values ``k``, ``v`` [B, Hkv, T, hd] of ``layer``; return all of them.
 
@@ -112,6 +122,7 @@ class KVCache:
         device tensor). Returns ``(k_all, v_all, mask)``: views [B, Hkv, S, hd] of the first
         S = length+T slots (no copy), and a bool mask broadcastable to [B, 1, T, S] (True = may
         attend), or None when the cache was empty, meaning plain causal attention over S == T.
+        With a sliding ``window`` the mask also hides keys ``window`` or more positions back.
         """
         B, _, T, _ = k.shape
         start, end = self.length, self.length + k.shape[2]
@@ -124,17 +135,25 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         if layer == 0:
-            self._mask = self._make_mask(start, T, k.device)
+            self._masks = {}
+        if window not in self._masks:
+            self._masks[window] = self._make_mask(start, T, k.device, window)
         k_all = self.k[layer, :, :, :end]
         v_all = self.v[layer, :, :, :end]
-        mask = self._mask
+        mask = self._masks[window]
         if layer == self.n_layers - 1:
             self.length = end  # the last layer has written: the tokens are stored
         return k_all, v_all, mask
 
-    def _make_mask(self, start: int, T: int, device: torch.device) -> torch.Tensor | None:
+    def _make_mask(
+        self, start: int, T: int, device: torch.device, window: int | None = None
+    ) -> torch.Tensor | None:
         if start == 0:
             return None  # prefill into an empty cache: ordinary causal attention over S == T
+        if window is not None and start + T > window:  # some key is out of some query's reach
+            q_pos = torch.arange(start, start + T, device=device).unsqueeze(1)
+            k_pos = torch.arange(start + T, device=device).unsqueeze(0)
+            return ((k_pos <= q_pos) & (k_pos > q_pos - window)).view(1, 1, T, start + T)
         if T == 1:
             # One new token may see every stored key: an all-True mask, a view of a preallocated
             # row (no allocation per step). Passing a mask rather than None also keeps PyTorch's

@@ -38,7 +38,8 @@ def _packing_available() -> bool:
 
 
 def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``.
+    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``; ``bias [out]`` is
+    optional (Qwen2's q, k, v projections have one).
 
     ``weight`` is a dense tensor, or a quantized one stored for a weight-only kernel
     (:class:`llmlib.quantize.PackedWeight`, which brings its own product). A dense float32 matrix
@@ -207,9 +208,8 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
         sizes = [-(-p.numel() // step) * step for p in mats]
         total = sum(sizes)
         pad = _HUGE_PAGE // elt
-        arena = torch.empty(
-            total + pad, dtype=dtype
-        )  # untouched memory: pages are allocated on first write
+        # untouched memory: pages are allocated on first write
+        arena = torch.empty(total + pad, dtype=dtype)
         ptr = arena.data_ptr()
         aligned = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
         if huge_pages:

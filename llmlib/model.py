@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from llmlib.attention import ATTENTION_BACKENDS, AttendingCache, KVCacheLike
-from llmlib.block import Block, RMSNorm
+from llmlib.block import RMSNorm, make_block
 from llmlib.config import ModelConfig
 from llmlib.device import choose
 from llmlib.embedding import TokenEmbedding, unembed
@@ -22,7 +22,12 @@ from llmlib.rope import RotaryTables
 
 
 class Transformer(nn.Module):
-    """A Llama-family decoder (dense SwiGLU or Mixtral-style experts), tied or untied LM head."""
+    """A Llama-family decoder (dense SwiGLU or Mixtral-style experts), tied or untied LM head.
+
+    The other families (:mod:`llmlib.families`) are switches on the same pieces: Gemma's scaled
+    embeddings and soft-capped logits here, per-layer windows and RoPE bases (Gemma 3's local
+    layers rotate with tables of their own, ``rope_local``), and what the blocks do differently.
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
         """``device="meta"`` builds the shapes without memory or random init (the loaders do this,
@@ -31,14 +36,17 @@ class Transformer(nn.Module):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"Transformer expects a ModelConfig, got {type(cfg).__name__}")
         self.config = cfg
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, device)
-        self.rope = RotaryTables.from_config(
-            cfg
-        )  # cos/sin for every position, computed once (on CPU)
+        scale = cfg.d_model**0.5 if cfg.scale_embeddings else None
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, device, scale)
+        # cos/sin for every position, computed once (on CPU)
+        self.rope = RotaryTables.from_config(cfg)
+        local = [i for i in range(cfg.n_layers) if cfg.local_rope(i)]
+        self.rope_local = RotaryTables.from_config(cfg, local=True) if local else None
+        self._local_layers = frozenset(local)
         if device is not None and torch.device(device).type != "meta":
-            self.rope.to(device)
-        self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+            self.reset_rotary(device)
+        self.layers = nn.ModuleList(make_block(cfg, i, device) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device, cfg.norm_offset)
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -80,13 +88,28 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=ids.device).expand(B, T)
         x = self.embed(ids)
         cos, sin = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, positions, cache)
+        if self.rope_local is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin, positions, cache)
+            return x
+        local = self.rope_local(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            c, s = local if i in self._local_layers else (cos, sin)
+            x = layer(x, c, s, positions, cache)
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden states ``[..., d_model]`` -> scores ``[..., vocab]``."""
-        return unembed(self.norm(h), self.lm_head_weight)
+        """Final norm and LM head: hidden states ``[..., d_model]`` -> scores ``[..., vocab]``
+        (soft-capped to ``cap * tanh(logit / cap)`` where the family caps them, Gemma 2)."""
+        out = unembed(self.norm(h), self.lm_head_weight)
+        cap = self.config.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+    def reset_rotary(self, device: torch.device | str | None = None) -> None:
+        """Recompute every cos/sin table on ``device`` (after a build on the meta device)."""
+        for tables in (self.rope, self.rope_local):
+            if tables is not None:
+                tables.reset(device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -148,8 +171,8 @@ def random_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - cfg.norm_offset)  # a gain of one
             else:
                 p.normal_(0.0, std, generator=g)
-    model.rope.reset(device)
+    model.reset_rotary(device)
     return model.eval()

@@ -44,13 +44,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     ``original_max_position_embeddings / low_freq_factor`` are slowed by ``factor``; wavelengths
     shorter than ``original / high_freq_factor`` are left alone; in between, a smooth blend. So the
     fast pairs that encode local order keep their trained behaviour, and only the slow pairs are
-    stretched to cover a longer context.
+    stretched to cover a longer context. ``scaling.rope_type == "linear"`` (Gemma 3) instead slows
+    every pair by ``factor``: position ``p`` turns as position ``p / factor`` did.
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unknown rope scaling type {scaling.rope_type!r} (llama3 or linear)")
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -94,7 +99,13 @@ class RotaryTables(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> RotaryTables:
+    def from_config(cls, cfg: ModelConfig, local: bool = False) -> RotaryTables:
+        """The model's tables; ``local=True``: those of Gemma 3's sliding layers (their own base,
+        no scaling)."""
+        if local:
+            if cfg.rope_local_theta is None:
+                raise ValueError(f"{cfg.name}: no local RoPE base (rope_local_theta) in the config")
+            return cls(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, None)
         return cls(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,9 +151,8 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     check_against_reference(outs, reference, workload)
     graphs = llm.runner.graphs
-    assert (
-        graphs is not None and not graphs.enabled and graphs.replays == 0
-    )  # no CUDA here: nothing captured
+    # no CUDA here: nothing captured
+    assert graphs is not None and not graphs.enabled and graphs.replays == 0
     assert graphs.static_steps > 0, "no step went through the fixed-shape path"
     assert len(graphs._entries) > 1  # several (rows, blocks) buckets were used
     assert llm.block_manager.num_free_blocks == num_blocks
@@ -174,9 +173,8 @@ def test_static_decode_step_padding_touches_only_the_scratch_block():
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     out = step.attend(0, q, k, v, sdpa_attention)
     assert torch.isfinite(out).all()
-    assert torch.equal(
-        cache.k[0][1][1], k[0, :, 0]
-    )  # row 0: position 5 = block table[1] = 1, slot 1
+    # row 0: position 5 = block table[1] = 1, slot 1
+    assert torch.equal(cache.k[0][1][1], k[0, :, 0])
     assert torch.equal(cache.k[0][2][0], k[0, :, 1])  # row 1: position 0 of block 2
     untouched = [b for b in range(5) if b not in (1, 2)]
     assert all((cache.k[0][b] == 0).all() for b in untouched)

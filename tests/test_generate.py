@@ -114,9 +114,8 @@ def test_stop_strings(stop, expected):
     assert out.text == expected and out.finish_reason == "stop"
     pieces = list(gen.stream(prompt, max_new_tokens=50, stop=stop))
     assert "".join(pieces) == expected
-    if (
-        stop == "\n\n"
-    ):  # the first newline is held back until we know it does not start the stop string
+    # the first newline is held back until we know it does not start the stop string
+    if stop == "\n\n":
         assert "".join(pieces[:-1]) + pieces[-1] == expected and not any(
             p.endswith("\n") for p in pieces
         )
@@ -201,9 +200,8 @@ def test_render_chat_matches_hugging_face():
 
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role"):
         render_chat(template, [{"role": "robot", "content": "x"}])
-    with pytest.raises(
-        jinja2.exceptions.SecurityError
-    ):  # the sandbox: templates cannot reach Python internals
+    # the sandbox: templates cannot reach Python internals
+    with pytest.raises(jinja2.exceptions.SecurityError):
         render_chat("{{ messages.__class__.__mro__ }}", msgs)
     with pytest.raises(ValueError, match="role"):
         render_chat(template, [{"content": "no role"}])
@@ -303,9 +301,8 @@ def _hf_llama(**overrides):
     cfg.update(overrides)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    with (
-        torch.no_grad()
-    ):  # larger weights than the default init, so the greedy path is not a trivial loop
+    # larger weights than the default init, so the greedy path is not a trivial loop
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
@@ -316,9 +313,8 @@ def _hf_llama(**overrides):
     "overrides",
     [
         {},  # grouped-query attention, untied head
-        dict(
-            num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500_000.0
-        ),  # multi-head, tied
+        # multi-head, tied
+        dict(num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500_000.0),
     ],
 )
 def test_greedy_matches_transformers_on_random_llama(overrides):
@@ -427,9 +423,8 @@ def test_decode_layout_keeps_values_and_outputs():
     ref = Generator(model, ByteTokenizer(), decode_layout=False).generate(
         [1, 2, 3], max_new_tokens=16, ignore_eos=True
     )
-    assert all(
-        p.is_contiguous() for p in model.parameters()
-    )  # decode_layout=False leaves the model alone
+    # decode_layout=False leaves the model alone
+    assert all(p.is_contiguous() for p in model.parameters())
     assert use_matvec_layout(model) > 0 and use_matvec_layout(model) == 0  # idempotent
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # same names, shapes and values

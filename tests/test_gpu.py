@@ -104,9 +104,8 @@ def test_static_cache_follows_the_cache_contract():
     assert k_all.shape == (2, CFG.n_kv_heads, 10, CFG.head_dim)
     assert mask.shape == (2, 1, 4, 10) and mask.dtype == torch.bool
     assert torch.equal(k_all[:, :, :4], k)
-    assert torch.equal(
-        mask[0, 0], torch.arange(10)[None] <= torch.arange(4)[:, None]
-    )  # causal, nothing unwritten
+    # causal, nothing unwritten
+    assert torch.equal(mask[0, 0], torch.arange(10)[None] <= torch.arange(4)[:, None])
     assert cache.nbytes == 2 * CFG.n_layers * 3 * CFG.n_kv_heads * 10 * CFG.head_dim * 4
 
 

@@ -51,9 +51,8 @@ def test_gpu_check_dry_run(tmp_path):
         and sm["transformers"]["tok_s"] > 0
         and sm["graphs_match_eager"]
     )
-    assert (
-        sm["transformers_tokens_agree"] == sm["new_tokens"]
-    )  # same weights, fp32: the same greedy tokens
+    # same weights, fp32: the same greedy tokens
+    assert sm["transformers_tokens_agree"] == sm["new_tokens"]
     ll = s["llama8b_batch1"]
     assert ll["tok_s"] > 0 and 0 < ll["mbu_vs_copy"] and ll["bytes_per_decode_step"] > 0
     lf = s["llama8b_formats"]["formats"]

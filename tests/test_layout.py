@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -87,17 +88,26 @@ LAYERS = [
     {
         "llmlib._lazy",
         "llmlib.config",
+        "llmlib.families",
         "llmlib.dtypes",
         "llmlib.shapes",
         "llmlib.gpus",
         "llmlib.show",
         "llmlib.checkpoints.gguf_file",
     },  # the GGUF container: numpy only, read by the tokenizer too
-    {"llmlib.device", "llmlib.costs", "llmlib.tokenizer", "llmlib.text", "llmlib.prompts"},
+    {
+        "llmlib.device",
+        "llmlib.costs",
+        "llmlib.capacity",
+        "llmlib.tokenizer",
+        "llmlib.text",
+        "llmlib.prompts",
+    },
     {
         "llmlib.linear",
         "llmlib.embedding",
         "llmlib.rope",
+        "llmlib.norm",
         "llmlib.attention",
         "llmlib.block",
         "llmlib.model",
@@ -108,14 +118,14 @@ LAYERS = [
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
     {"llmlib.engine"},
-    {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib"},
+    {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 
 
 def _layer(module: str) -> int:
     for i, layer in enumerate(LAYERS):
         for top in layer:
-            if module == top or module.startswith(top + "."):
+            if module == top or (top != "llmlib" and module.startswith(top + ".")):
                 return i
     raise AssertionError(f"{module} is in no layer of test_layout.LAYERS: place it")
 
@@ -168,6 +178,11 @@ def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
     """``pip wheel .`` holds everything a user needs: installed into a throwaway environment that
     reuses this environment's dependencies, it imports from site-packages (not from the checkout),
     runs ``llmlib costs`` and generates a few tokens with a tiny random model."""
+    # build from a copy, so setuptools' build/ and egg-info never land in the checkout
+    src = tmp_path / "src"
+    shutil.copytree(PKG, src / "llmlib", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -180,7 +195,7 @@ def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(wheels),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         timeout=600,

@@ -45,9 +45,8 @@ def test_a_changed_weight_is_never_multiplied_by_its_stale_copy():
     lin.weight.data = torch.randn(96, 64)  # replaced: the pointer moves
     assert not is_packed(lin.weight)
     torch.testing.assert_close(linear(x, lin.weight), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
-    assert (
-        pack_weights(lin) == 1 and pack_weights(lin) == 0
-    )  # re-packs the stale one, then nothing to do
+    # re-packs the stale one, then nothing to do
+    assert pack_weights(lin) == 1 and pack_weights(lin) == 0
 
 
 def test_other_dtypes_are_left_alone():

@@ -95,9 +95,8 @@ def test_finish_on_eos_and_max_tokens_frees_blocks():
 
 
 def test_preemption_requeues_the_newest_and_everything_finishes():
-    bm = BlockManager(
-        num_blocks=6, block_size=4
-    )  # 24 slots: not enough for three 13-token sequences
+    # 24 slots: not enough for three 13-token sequences
+    bm = BlockManager(num_blocks=6, block_size=4)
     s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
     a, b, c = (
         seq(4, max_tokens=9, first=0),

@@ -142,9 +142,8 @@ def test_streaming_equals_non_streaming(client, engine):
     assert text == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 16
-    assert (
-        len([c for c in chunks if c.choices and c.choices[0].text]) > 1
-    )  # really streamed, piece by piece
+    # really streamed, piece by piece
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1
 
 
 def test_chat_streaming_and_not(client, engine):
@@ -211,11 +210,12 @@ BAD = [
     ({"model": MODEL_ID, "prompt": "hi", "n": 3}, 400, "n"),
     ({"model": MODEL_ID, "prompt": "hi", "stop": [1, 2]}, 400, "stop"),
     ({"model": MODEL_ID, "prompt": "hi", "seed": -1}, 400, "seed"),
+    # special tokens are not text
     (
         {"model": MODEL_ID, "prompt": "<|im_start|>system"},
         400,
         "prompt",
-    ),  # special tokens are not text
+    ),
 ]
 
 BAD_CHAT = [
@@ -309,9 +309,8 @@ def test_queue_full_is_503(engine):
                     cm = c.stream("POST", srv.url + "/v1/completions", json=body)
                     r = cm.__enter__()
                     assert r.status_code == 200
-                    lines = (
-                        r.iter_lines()
-                    )  # keep the iterator: dropping it would close the connection
+                    # keep the iterator: dropping it would close the connection
+                    lines = r.iter_lines()
                     next(lines)
                     streams.append((cm, lines))
                 r = _post(
@@ -470,9 +469,8 @@ def test_bench_summary_definitions():
     ]
     m = serve_client.summarize(rs, duration=2.0)
     assert m["completed"] == 3 and m["failed"] == 1
-    assert m["mean_tpot_ms"] == pytest.approx(
-        (100 + 300) / 2
-    )  # (0.9-0.5)/4 and (1.6-1.0)/2; the 1-token one has none
+    # (0.9-0.5)/4 and (1.6-1.0)/2; the 1-token one has none
+    assert m["mean_tpot_ms"] == pytest.approx((100 + 300) / 2)
     assert m["median_itl_ms"] == pytest.approx(100)
     assert m["median_ttft_ms"] == pytest.approx(500)
     assert m["output_throughput"] == pytest.approx(9 / 2.0)

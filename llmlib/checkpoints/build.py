@@ -141,7 +141,7 @@ def build_model(
     load_dtype = torch.float32 if quantization else place.dtype
     state = {k: v.to(device=place.device, dtype=load_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.rope.reset(place.device)  # the cos/sin tables are derived from the config, never loaded
+    model.reset_rotary(place.device)  # the cos/sin tables come from the config, never loaded
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     if quantization is not None:
         codes = None

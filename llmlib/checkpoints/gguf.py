@@ -12,10 +12,15 @@ Three things differ from a Hugging Face checkpoint, and :func:`read_gguf` undoes
 * names: ``blk.3.attn_q.weight`` becomes ``layers.3.attn.wq.weight`` (see :data:`TENSOR_NAMES`);
 * dimension order: the header lists dimensions fastest-first (``ne[0]`` is the row length), the
   reverse of numpy and torch, so a ``[576, 1536]`` GGUF tensor is a ``[1536, 576]`` torch matrix;
-* rotary layout: llama.cpp rotates *adjacent* pairs (0,1), (2,3), ... of each head, while
-  Hugging Face checkpoints (and llmlib) rotate element ``i`` with ``i + head_dim/2``. The
-  converter therefore permutes the rows of ``W_q`` and ``W_k`` head by head; we permute them back
-  (:func:`unpermute_qk`), which is what makes the logits equal to ``transformers``.
+* rotary layout: llama.cpp rotates *adjacent* pairs (0,1), (2,3), ... of each head of a
+  ``llama`` model, while Hugging Face checkpoints (and llmlib) rotate element ``i`` with
+  ``i + head_dim/2``. The converter therefore permutes the rows of ``W_q`` and ``W_k`` head by head;
+  we permute them back (:func:`unpermute_qk`), which is what makes the logits equal to
+  ``transformers``. For ``qwen2`` and ``qwen3`` llama.cpp rotates split halves (its "NEOX" mode)
+  and the converter leaves the rows alone, so there is nothing to undo.
+
+Besides ``llama``, the ``qwen2`` (q, k, v biases) and ``qwen3`` (per-head q/k norms)
+architectures are read: their metadata says everything the model needs (:data:`ARCH_FIELDS`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ TENSOR_NAMES: dict[str, str] = {
     "ffn_up": "ffn.w_up",
     "ffn_down": "ffn.w_down",
     "ffn_gate_inp": "ffn.router",  # mixture of experts: the router
+    "attn_q_norm": "attn.q_norm",  # Qwen3: per-head RMSNorm gains
+    "attn_k_norm": "attn.k_norm",
 }
 #: Model-level tensors.
 GLOBAL_NAMES: dict[str, str] = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
@@ -53,7 +60,15 @@ MERGED_EXPERTS: dict[str, str] = {
     "ffn_down_exps": "w_down",
 }
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+#: Per GGUF architecture, the family fields its metadata implies (see :mod:`llmlib.families`).
+ARCH_FIELDS: dict[str, dict[str, object]] = {
+    "llama": {},
+    "qwen2": {"family": "qwen2", "qkv_bias": True},
+    "qwen3": {"family": "qwen3", "qk_norm": True},
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCH_FIELDS)
+#: Architectures whose converter permutes the rows of W_q and W_k for interleaved RoPE.
+PERMUTED_QK = ("llama",)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -156,7 +171,7 @@ def _rope_scaling_from_freqs(
 
 
 def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
-    """Build a :class:`ModelConfig` from the ``llama.*`` and ``tokenizer.ggml.*`` metadata."""
+    """Build a :class:`ModelConfig` from the ``<arch>.*`` and ``tokenizer.ggml.*`` metadata."""
     arch = _get(reader, "general.architecture", required=True)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -225,12 +240,14 @@ def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
         n_experts_per_token=int(_get(reader, p + "expert_used_count", 0) or 0),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        **ARCH_FIELDS[arch],  # type: ignore[arg-type]
     )
 
 
 # ---- tensors ----------------------------------------------------------------------------------
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+?)(?:\.(\d+))?\.weight$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+?)(?:\.(\d+))?\.(weight|bias)$")
+_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")  # the tensors a bias may belong to
 
 
 def llmlib_name(gguf_name: str) -> str | None:
@@ -244,7 +261,11 @@ def llmlib_name(gguf_name: str) -> str | None:
     m = _BLOCK.match(gguf_name)
     if not m:
         return None
-    layer, kind, expert = m.groups()
+    layer, kind, expert, suffix = m.groups()
+    if suffix == "bias":
+        return (
+            f"layers.{layer}.{TENSOR_NAMES[kind]}.bias" if kind in _BIASED and not expert else None
+        )
     if kind in MERGED_EXPERTS and expert is None:
         return f"layers.{layer}.ffn.experts.*.{MERGED_EXPERTS[kind]}.weight"
     if expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down"):  # older per-expert layout
@@ -256,7 +277,8 @@ def llmlib_name(gguf_name: str) -> str | None:
 
 def gguf_name(llmlib_key: str) -> str:
     """The GGUF name a llmlib parameter comes from (for error messages): the inverse of :func:`llmlib_name`."""
-    key = llmlib_key.removesuffix(".weight")
+    suffix = ".bias" if llmlib_key.endswith(".bias") else ".weight"
+    key = llmlib_key.removesuffix(suffix)
     for g, ours in GLOBAL_NAMES.items():
         if key == ours:
             return g + ".weight"
@@ -269,14 +291,14 @@ def gguf_name(llmlib_key: str) -> str:
             return f"blk.{layer}.{kind}.weight[{e.group(1)}]"
         for g, ours in TENSOR_NAMES.items():
             if rest == ours:
-                return f"blk.{layer}.{g}.weight"
+                return f"blk.{layer}.{g}{suffix}"
     return llmlib_key
 
 
 def read_gguf(
     path: str | Path, progress: bool | None = None, blocks: dict | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a ``llama``-architecture GGUF file into ``(config, state_dict)`` with float32 tensors.
+    """Read a ``llama``, ``qwen2`` or ``qwen3`` GGUF file into ``(config, state_dict)``, float32.
 
     The state dict uses llmlib's parameter names (see :class:`llmlib.model.Transformer`), with the
     query and key projections back in Hugging Face's split-half rotary layout. Errors name the
@@ -309,14 +331,13 @@ def read_gguf(
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg.rope_scaling
         ours = llmlib_name(t.name)
-        if ours is None:
+        if ours is None or not _in_family(cfg, ours):
             extra.append(t.name)
             continue
         shape = _tensor_shape(t)
         try:
-            w = dequantize(
-                reader.raw(t.name), t.ggml_type, shape, t.name
-            )  # ValueError on a short buffer
+            # ValueError on a short buffer
+            w = dequantize(reader.raw(t.name), t.ggml_type, shape, t.name)
         except (TypeError, IndexError, OSError) as e:  # a memory map cut short by a truncated file
             raise ValueError(
                 f"{t.name}: cannot read its data ({e}); the file is truncated or corrupt"
@@ -330,10 +351,11 @@ def read_gguf(
         if blocks is not None and fmt.block_size > 1 and w.ndim == 2:
             raw = torch.from_numpy(np.array(reader.raw(t.name), dtype=np.uint8))
             raw = raw.view(shape[0], -1)
-        if ours.endswith("attn.wq.weight") and w.ndim == 2:
+        permuted = reader.metadata["general.architecture"] in PERMUTED_QK
+        if permuted and ours.endswith("attn.wq.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_heads)
             raw = None if raw is None else unpermute_qk(raw, cfg.n_heads)
-        elif ours.endswith("attn.wk.weight") and w.ndim == 2:
+        elif permuted and ours.endswith("attn.wk.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_kv_heads)
             raw = None if raw is None else unpermute_qk(raw, cfg.n_kv_heads)
         state[ours] = w.contiguous()
@@ -345,3 +367,12 @@ def read_gguf(
             f"{path.name}: unexpected tensor(s) llmlib does not know: {', '.join(extra[:5])}"
         )
     return cfg, state  # names and shapes are checked once, against the shape table, by build_model
+
+
+def _in_family(cfg: ModelConfig, ours: str) -> bool:
+    """Whether a tensor llmlib knows belongs to this architecture (a bias only where it has them)."""
+    if ours.endswith(".bias"):
+        return cfg.out_bias if ".attn.wo." in ours else cfg.qkv_bias
+    if ".q_norm." in ours or ".k_norm." in ours:
+        return cfg.qk_norm
+    return True

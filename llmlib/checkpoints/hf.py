@@ -1,9 +1,12 @@
 """Hugging Face checkpoints: a folder with ``config.json`` and safetensors, in llmlib's names.
 
-The weights are ``model.safetensors``, or shards listed by ``model.safetensors.index.json``.
-Llama-family (Llama 2/3, SmolLM2, Mistral) and Mixtral names are mapped to llmlib's
-(:func:`hf_to_llmlib`); anything else is refused by name, so a checkpoint of a different
-architecture cannot half-load. Only safetensors are read: pickle checkpoints (``*.bin``) are not.
+The weights are ``model.safetensors``, or shards listed by ``model.safetensors.index.json``, in
+whatever float dtype they were saved (the loader converts only if asked). The families of
+:mod:`llmlib.families` mostly share Llama's tensor names; where one names a tensor differently
+(Gemma's norms) or stores two as one (Phi-3's ``qkv_proj`` and ``gate_up_proj``) the tables there
+say so, and :func:`hf_to_llmlib` follows them. Anything else is refused by name, so a checkpoint of
+a different architecture cannot half-load. Only safetensors are read: pickle checkpoints
+(``*.bin``) are not.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llmlib.config import ModelConfig
+from llmlib.families import HF_FUSED, HF_RENAMES
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -28,21 +32,91 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn.w_down.weight",
     # Mixtral, as published on the hub (one tensor per expert) ...
     "block_sparse_moe.gate.weight": "ffn.router.weight",
-    # ... and as transformers 5 may name the router
+    # ... and as transformers 5 may name the router (Qwen3-MoE's name too)
     "mlp.gate.weight": "ffn.router.weight",
 }
-_EXPERT_NAMES = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
+#: Tensors only some families have, and the config switch that says a model has them.
+_OPTIONAL_NAMES = {
+    "self_attn.q_proj.bias": ("attn.wq.bias", "qkv_bias"),
+    "self_attn.k_proj.bias": ("attn.wk.bias", "qkv_bias"),
+    "self_attn.v_proj.bias": ("attn.wv.bias", "qkv_bias"),
+    "self_attn.o_proj.bias": ("attn.wo.bias", "out_bias"),
+    "self_attn.q_norm.weight": ("attn.q_norm.weight", "qk_norm"),
+    "self_attn.k_norm.weight": ("attn.k_norm.weight", "qk_norm"),
+}
+_EXPERT_NAMES = {
+    "w1": "w_gate",
+    "w3": "w_up",
+    "w2": "w_down",
+    "gate_proj": "w_gate",
+    "up_proj": "w_up",
+    "down_proj": "w_down",
+}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT_RE = re.compile(
+    r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight"
+)
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq")  # derived buffers that old checkpoints saved
 
 
-def hf_to_llmlib(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a Llama/Mixtral Hugging Face state dict to llmlib's names.
+def _fused_rows(cfg: ModelConfig, name: str) -> list[int]:
+    """Row counts of the tensors a fused checkpoint tensor splits into (q, k, v or gate, up)."""
+    if name.startswith("self_attn."):
+        return [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2
+    return [cfg.ffn_dim, cfg.ffn_dim]
 
-    Also splits transformers-5 stacked expert tensors (``mlp.experts.gate_up_proj [E, 2F, D]``,
-    ``mlp.experts.down_proj [E, D, F]``) into one tensor per expert. Raises on any name it does not
-    know, so a checkpoint of a different architecture (biases, extra norms) cannot half-load.
+
+def _layer_tensor(cfg: ModelConfig, name: str, rest: str, p: str, t: torch.Tensor) -> dict:
+    """One tensor of layer prefix ``p`` (``rest`` is its name after ``model.layers.N.``)."""
+    renames = HF_RENAMES.get(cfg.family, {})
+    if rest in renames:
+        return {p + renames[rest]: t}
+    if rest in _LAYER_NAMES:
+        return {p + _LAYER_NAMES[rest]: t}
+    if rest in _OPTIONAL_NAMES and getattr(cfg, _OPTIONAL_NAMES[rest][1]):
+        return {p + _OPTIONAL_NAMES[rest][0]: t}
+    if rest in HF_FUSED:
+        rows = _fused_rows(cfg, rest)
+        if t.dim() != 2 or t.shape[0] != sum(rows):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, expected {sum(rows)} rows "
+                f"({' + '.join(map(str, rows))})"
+            )
+        return {p + ours: part for ours, part in zip(HF_FUSED[rest], t.split(rows, dim=0))}
+    e = _EXPERT_RE.fullmatch(rest)
+    if e:
+        return {f"{p}ffn.experts.{e.group(1)}.{_EXPERT_NAMES[e.group(2)]}.weight": t}
+    F = cfg.expert_dim
+    if rest == "mlp.experts.gate_up_proj":  # transformers 5: every expert stacked [E, 2F, D]
+        if t.dim() != 3 or t.shape[1] != 2 * F:
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, expected [n_experts, 2*{F}, d_model]"
+            )
+        out = {}
+        for j in range(t.shape[0]):
+            out[f"{p}ffn.experts.{j}.w_gate.weight"] = t[j, :F]
+            out[f"{p}ffn.experts.{j}.w_up.weight"] = t[j, F:]
+        return out
+    if rest == "mlp.experts.down_proj":
+        if t.dim() != 3:
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, expected [n_experts, d_model, {F}]"
+            )
+        return {f"{p}ffn.experts.{j}.w_down.weight": t[j] for j in range(t.shape[0])}
+    raise ValueError(
+        f"checkpoint has unexpected tensor {name!r}: not part of a {cfg.family} model "
+        "of this config"
+    )
+
+
+def hf_to_llmlib(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face state dict of ``cfg``'s family to llmlib's names.
+
+    Also splits fused tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``) and transformers-5 stacked
+    expert tensors (``mlp.experts.gate_up_proj [E, 2F, D]``, ``mlp.experts.down_proj [E, D, F]``)
+    into llmlib's separate ones. Raises on any name it does not know, or that the config says the
+    model does not have (a bias where ``qkv_bias`` is off), so a checkpoint of a different
+    architecture cannot half-load.
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_state.items():
@@ -59,34 +133,10 @@ def hf_to_llmlib(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[st
             continue
         m = _LAYER_RE.fullmatch(name)
         if m:
-            i, rest = m.group(1), m.group(2)
-            p = f"layers.{i}."
-            if rest in _LAYER_NAMES:
-                out[p + _LAYER_NAMES[rest]] = t
-                continue
-            e = _EXPERT_RE.fullmatch(rest)
-            if e:
-                out[f"{p}ffn.experts.{e.group(1)}.{_EXPERT_NAMES[e.group(2)]}.weight"] = t
-                continue
-            if rest == "mlp.experts.gate_up_proj":
-                if t.dim() != 3 or t.shape[1] != 2 * cfg.ffn_dim:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, expected [n_experts, 2*{cfg.ffn_dim}, d_model]"
-                    )
-                for j in range(t.shape[0]):
-                    out[f"{p}ffn.experts.{j}.w_gate.weight"] = t[j, : cfg.ffn_dim]
-                    out[f"{p}ffn.experts.{j}.w_up.weight"] = t[j, cfg.ffn_dim :]
-                continue
-            if rest == "mlp.experts.down_proj":
-                if t.dim() != 3:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, expected [n_experts, d_model, ffn_dim]"
-                    )
-                for j in range(t.shape[0]):
-                    out[f"{p}ffn.experts.{j}.w_down.weight"] = t[j]
-                continue
+            out.update(_layer_tensor(cfg, name, m.group(2), f"layers.{m.group(1)}.", t))
+            continue
         raise ValueError(
-            f"checkpoint has unexpected tensor {name!r}: not part of a Llama/Mixtral model"
+            f"checkpoint has unexpected tensor {name!r}: not part of a {cfg.family} model"
         )
     if cfg.tie_embeddings and "lm_head.weight" in out:
         # Some tied checkpoints store the shared matrix twice. A copy is harmless; a different matrix

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from llmlib.capacity import Sharding, shard
 from llmlib.config import PRESETS, ModelConfig, get_config
 from llmlib.costs import Costs, costs
 from llmlib.dtypes import FLOAT_NAMES, NAMES
@@ -71,8 +72,44 @@ def format_table(c: Costs) -> str:
             + ("" if c.fits_in_gpu_memory else "  (does not fit in one GPU's memory: shard it)"),
         ),
     ]
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" if k else "" for k, v in rows)
+
+
+def format_sharding(s: Sharding) -> str:
+    """A readable report of :func:`llmlib.capacity.shard`."""
+    fit = "fits" if s.fits else "does NOT fit"
+    rows = [
+        ("", ""),
+        ("tensor parallel", f"{s.tp} x {s.gpu}"),
+        (
+            "weights per GPU",
+            f"{_fmt_bytes(s.weight_bytes_per_gpu)}  ({fit} in "
+            f"{_fmt_bytes(s.gpu_memory_bytes)} less a {_fmt_bytes(s.reserve_bytes)} reserve)",
+        ),
+        ("KV cache per token", f"{s.kv_bytes_per_token_per_gpu:,.0f} B per GPU"),
+        (
+            "KV capacity",
+            f"{s.kv_tokens_capacity:,} tokens per GPU: {s.max_batch_at_context:,} "
+            f"sequences of {s.context:,} tokens",
+        ),
+        (
+            "all-reduce per token",
+            f"{s.allreduce_bytes_per_token_per_layer:,.0f} B a layer, "
+            f"{_fmt_bytes(s.allreduce_bytes_per_token)} in all",
+        ),
+        (
+            "decode step floor",
+            f"{s.decode_ms_per_step:,.2f} ms at batch {s.batch}, context {s.context:,} "
+            f"(weights {s.weight_read_ms:,.2f} + KV {s.kv_read_ms:,.2f} + "
+            f"all-reduce {s.allreduce_ms:,.3f} ms; {s.comm_share:.1%} communication)",
+        ),
+    ]
+    return _table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(FLOAT_NAMES),
         help="KV cache dtype (default: the weights' float dtype, else bf16)",
     )
+    ap.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel GPUs the model is split over"
+    )
+    ap.add_argument(
+        "--context", type=int, default=8192, help="tokens per sequence for the KV capacity"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=1, help="sequences in the decode step of the floor"
+    )
+    ap.add_argument(
+        "--allreduce-latency-us",
+        type=float,
+        default=0.0,
+        help="per all-reduce latency to add to the bandwidth floor (default 0: the floor)",
+    )
     ap.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     args = ap.parse_args(argv)
     try:
@@ -104,8 +156,27 @@ def main(argv: list[str] | None = None) -> int:
             else get_config(args.model)
         )
         c = costs(cfg, args.gpu, args.prompt_tokens, args.output_tokens, args.dtype, args.kv_dtype)
+        s = shard(
+            cfg,
+            args.gpu,
+            args.tp,
+            args.dtype,
+            args.kv_dtype,
+            args.context,
+            args.batch,
+            args.allreduce_latency_us * 1e-6,
+        )
     except (KeyError, ValueError, OSError) as e:
         print(f"llmlib costs: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(c.as_dict(), indent=2) if args.json else format_table(c))
+    if args.json:
+        shared = {"model", "gpu", "dtype", "kv_dtype"}
+        print(
+            json.dumps(
+                {**c.as_dict(), **{k: v for k, v in s.as_dict().items() if k not in shared}},
+                indent=2,
+            )
+        )
+    else:
+        print(format_table(c) + "\n" + format_sharding(s))
     return 0

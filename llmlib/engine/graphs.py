@@ -65,9 +65,18 @@ class StaticDecodeStep:
         return self.layout.positions
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionFn
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: AttentionFn,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return paged_attend(self.cache, self.layout, layer, q, k, v, attention)
+        """The paged step's attention over this layout; a sliding ``window`` is a mask computed
+        from the position buffer on the device, so a captured graph applies it on every replay."""
+        return paged_attend(self.cache, self.layout, layer, q, k, v, attention, window)
 
     def fill(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> None:
         """Copy one step's decode chunks (``length == 1``) and their input tokens into the buffers."""

@@ -21,6 +21,12 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   scores on other sequences' keys), and all single-token (decode) chunks go through one batched
   call over their gathered blocks. That lets the engine put *every* token of a step, prefill and
   decode alike, in one row: one forward pass, one set of weight-matrix products per step.
+
+A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method: a
+prefill chunk's attention applies it itself (causal within the window), and the decode groups'
+and the contract's masks hide keys ``W`` or more positions behind the query. Only the masks
+change: every block of a sequence stays allocated, read and gathered as for a full layer (freeing
+blocks that left every layer's window is a saving this engine does not make).
 """
 
 from __future__ import annotations
@@ -154,9 +160,8 @@ def write_kv(
     """Scatter the new keys/values ``[B, Hkv, T, hd]`` of ``layer`` into their pool slots."""
     B, H, T, D = k.shape
     flat = (-1, H, D)
-    k_new = k.transpose(1, 2).reshape(
-        B * T, H, D
-    )  # [B*T, Hkv, hd]; a view for the model's q/k/v split
+    # [B*T, Hkv, hd]; a view for the model's q/k/v split
+    k_new = k.transpose(1, 2).reshape(B * T, H, D)
     v_new = v.transpose(1, 2).reshape(B * T, H, D)
     if layout.write_index is not None:  # drop padding columns
         k_new, v_new = k_new[layout.write_index], v_new[layout.write_index]
@@ -173,6 +178,7 @@ def paged_attend(
     k: torch.Tensor,
     v: torch.Tensor,
     attention: AttentionFn,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
     sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
@@ -180,7 +186,9 @@ def paged_attend(
     ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``
     meaning causal, aligned to the end). A multi-token chunk is one call over its sequence's
     keys, causal; the single-token chunks are batched calls over their gathered blocks, masked
-    only where a short row's keys end before the longest row's.
+    only where a short row's keys end before the longest row's. With a sliding ``window``
+    (which ``attention`` then also carries, for the prefill chunks' causal case) the decode masks
+    also hide keys ``window`` or more positions behind each query.
     """
     write_kv(cache, layout, layer, k, v)
     B, H, T, D = q.shape
@@ -190,9 +198,8 @@ def paged_attend(
     for c in layout.prefills:
         kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
         vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
-        o = attention(
-            q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None
-        )  # [1, H, n, D]
+        # [1, H, n, D]
+        o = attention(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None)
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
     for g in layout.decodes:
         n = len(g.rows)
@@ -202,7 +209,12 @@ def paged_attend(
         qd = q[g.rows, :, g.cols].view(n, Hkv, H // Hkv, D)
         kd = kp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
         vd = vp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
-        out[g.rows, g.cols] = attention(qd, kd, vd, g.mask).reshape(n, H, D)
+        mask = g.mask
+        if window is not None:  # keys at or before the query, and within its window
+            q_pos = layout.positions[g.rows, g.cols].view(n, 1, 1, 1)
+            k_pos = torch.arange(g.n_blocks * bs, device=q.device)
+            mask = mask & (k_pos > q_pos - window)
+        out[g.rows, g.cols] = attention(qd, kd, vd, mask).reshape(n, H, D)
     return out.transpose(1, 2)
 
 
@@ -240,9 +252,8 @@ class PagedStep:
                 blocks = [int(x) for x in c.block_table[:need]]
                 pos = torch.arange(c.start, end)
                 positions[b, t0 : t0 + c.length] = pos
-                slots.append(
-                    torch.as_tensor(blocks)[pos // bs] * bs + pos % bs
-                )  # position p: block p // bs, slot p % bs
+                # position p: block p // bs, slot p % bs
+                slots.append(torch.as_tensor(blocks)[pos // bs] * bs + pos % bs)
                 index.append(b * T + t0 + torch.arange(c.length))
                 if c.length == 1:
                     decodes.append(DecodeToken(b, t0, c.start, blocks))
@@ -252,24 +263,21 @@ class PagedStep:
                     )
                 t0 += c.length
         write_slots = torch.cat(slots).to(dev)
-        write_index = (
-            None if len(write_slots) == B * T else torch.cat(index).to(dev)
-        )  # None: no padding
+        # None: no padding
+        write_index = None if len(write_slots) == B * T else torch.cat(index).to(dev)
         # Single-token chunks attend in batched calls, each over a [n, nb * bs] gather padded to
         # its longest member; padding is read and masked for nothing, so rows are sorted by length
         # and cut into groups of similar lengths (see _group_by_length).
         groups = []
         for group in _group_by_length(decodes, bs):
             nb = max(len(d.blocks) for d in group)
-            table = torch.zeros(
-                (len(group), nb), dtype=torch.long
-            )  # padding repeats block 0, masked below
+            # padding repeats block 0, masked below
+            table = torch.zeros((len(group), nb), dtype=torch.long)
             for i, d in enumerate(group):
                 table[i, : len(d.blocks)] = torch.as_tensor(d.blocks)
             q_pos = torch.tensor([d.position for d in group])
-            mask = (
-                torch.arange(nb * bs)[None, :] <= q_pos[:, None]
-            )  # key position <= the query's position
+            # key position <= the query's position
+            mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]
             groups.append(
                 DecodeGroup(
                     torch.tensor([d.row for d in group], device=dev),
@@ -280,30 +288,44 @@ class PagedStep:
                 )
             )
         self.layout = StepLayout(positions.to(dev), write_slots, write_index, prefills, groups)
-        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dense: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def positions(self) -> torch.Tensor:
         return self.layout.positions
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionFn
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: AttentionFn,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """The fast path, sequence by sequence: :func:`paged_attend`."""
-        return paged_attend(self.cache, self.layout, layer, q, k, v, attention)
+        return paged_attend(self.cache, self.layout, layer, q, k, v, attention, window)
 
     # ---- the contract: hand back keys, values and a mask ----------------------------------------
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write the new keys/values ``[B, Hkv, T, hd]`` into their slots; return what to attend over:
-        every row's blocks gathered ``[B, Hkv, S, hd]`` and the mask ``[B, 1, T, S]``.
+        every row's blocks gathered ``[B, Hkv, S, hd]`` and the mask ``[B, 1, T, S]`` (within the
+        sliding ``window``, if one is given).
 
         ``positions`` is accepted for the contract; the slots were fixed when the step was built
         (from the same positions), so it is not needed here.
         """
         write_kv(self.cache, self.layout, layer, k, v)
-        gather, mask = self._dense_view()
+        gather, mask = self._dense_view(window)
         B, nb = gather.shape
         bs, H, D = self.cache.block_size, self.cache.n_kv_heads, self.cache.head_dim
         kp, vp = self.cache.k[layer], self.cache.v[layer]
@@ -312,16 +334,16 @@ class PagedStep:
         v_all = vp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
         return k_all, v_all, mask
 
-    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For :meth:`update`: the blocks each row gathers ``[B, nb]`` and the mask (built once per step)."""
-        if self._dense is None:
+    def _dense_view(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For :meth:`update`: the blocks each row gathers ``[B, nb]`` and the mask (built once per
+        step and window)."""
+        if window not in self._dense:
             bs = self.cache.block_size
             B, T = self.shape
             nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in self.rows)
             S = nb * bs
-            q_seq = torch.full(
-                (B, T), -1, dtype=torch.long
-            )  # which chunk (in its row) each query is
+            # which chunk (in its row) each query is
+            q_seq = torch.full((B, T), -1, dtype=torch.long)
             k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
             k_pos = torch.zeros((B, S), dtype=torch.long)
             gather = torch.zeros((B, nb), dtype=torch.long)  # padding repeats block 0
@@ -342,11 +364,16 @@ class PagedStep:
             mask = (q_seq[:, :, None] == k_seq[:, None, :]) & (
                 k_pos[:, None, :] <= q_pos[:, :, None]
             )
+            if window is not None:
+                mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
             # A padding query (shorter row) would see no key at all, and softmax over nothing is NaN;
             # let it see key 0. Its output is never read.
             mask[:, :, 0] |= q_seq < 0
-            self._dense = (gather.to(self.cache.device), mask[:, None].to(self.cache.device))
-        return self._dense
+            self._dense[window] = (
+                gather.to(self.cache.device),
+                mask[:, None].to(self.cache.device),
+            )
+        return self._dense[window]
 
 
 def _group_by_length(
