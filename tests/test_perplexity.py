@@ -93,3 +93,34 @@ def test_float32_perplexity_equals_transformers_on_the_same_windows(smollm2_path
     ours = perplexity_details(model, ids, ctx, stride)
     assert ours.tokens == n_tokens
     assert abs(ours.perplexity / ref - 1) < 1e-3, (ours.perplexity, ref)
+
+
+@pytest.mark.model
+def test_perplexity_cli_compares_a_format_with_float32(
+    smollm2_path: Path, tmp_path: Path, capsys
+) -> None:
+    import json
+
+    from llmlib.cli.perplexity import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession " * 8)
+    args = ["--model", str(smollm2_path), str(text), "--context", "64", "--stride", "32"]
+    assert main([*args, "--quantization", "int8", "--compare", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "int8" in out["format"] and out["tokens"] > 50
+    assert 0.9 < out["ratio"] < 1.1 and 0 <= out["kl"] and 0.5 < out["greedy_agreement"] <= 1
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_tokens() -> None:
+    from llmlib.generate import Generator
+
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    model = random_model(TINY.replace(vocab_size=tok.vocab_size), "cpu", seed=3)
+    eager = Generator(model, tok).generate("the cat", max_new_tokens=8, ignore_eos=True)
+    gen = Generator(model, tok, compile=True)
+    gen.warmup()
+    assert gen.compile_s is not None and gen.compile_s > 0
+    out = gen.generate("the cat", max_new_tokens=8, ignore_eos=True)
+    assert out.token_ids == eager.token_ids

@@ -216,3 +216,46 @@ def test_dequantize_helpers_agree() -> None:
     ref = dequantize(raw, T.Q4_1, (4, 64))
     got = block_codes("Q4_1", torch.from_numpy(np.ascontiguousarray(raw)).view(4, -1)).dequantize()
     assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
+    from llmlib.linear import prepare_cpu_weights
+    from llmlib.quantize import OneDNNWeight
+
+    cfg = TINY.replace(tie_embeddings=True)
+    model = random_model(cfg, "cpu", torch.bfloat16)
+    ref = random_model(cfg, "cpu", torch.bfloat16)
+    prepare_cpu_weights(model)
+    kinds = {type(m.weight).__name__ for m in weight_matrices(model).values()}
+    assert kinds == {"OneDNNWeight", "Parameter"}  # the tied table stays a plain matrix (rows)
+    w = model.layers[0].ffn.w_gate_up.weight
+    assert isinstance(w, OneDNNWeight) and w.dtype == torch.bfloat16
+    dense = ref.layers[0].ffn.w_gate_up.weight
+    assert torch.equal(w.dequantize(), dense)
+    x = _x(cfg.d_model, dtype=torch.bfloat16)
+    ref_y = x.float() @ dense.float().T
+    assert (w.linear(x).float() - ref_y).abs().max() <= 1e-2 * ref_y.abs().max()
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).float(), model(ids).float()
+    assert (a - b).norm() / a.norm() < 0.02
+
+
+def test_engine_kv_pool_in_the_models_dtype() -> None:
+    """The batching engine's pool follows the activations' dtype, and its allocation is chapter
+    8's formula per block."""
+    from llmlib.engine import LLM
+
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    cfg = TINY.replace(vocab_size=tok.vocab_size)
+    model = random_model(cfg, "cpu", torch.bfloat16)
+    llm = LLM(model, tok, num_blocks=16, block_size=4, quantization="int8")
+    assert llm.dtype == torch.bfloat16 and llm.runner.cache.k[0].dtype == torch.bfloat16
+    per_block = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, 2)
+    assert llm.kv_cache_bytes == 16 * per_block
+    outs = llm.generate(
+        ["the cat", "the mat"],
+        llmlib.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [len(o.token_ids) for o in outs] == [4, 4]
