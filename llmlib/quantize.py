@@ -344,7 +344,8 @@ def quantize_model(
 ) -> nn.Module:
     """Replace every weight matrix of ``model`` by a packed one, in place; return ``model``.
 
-    ``quantization`` is ``"int8"`` or ``"int4"`` (quantize the model's float weights), or
+    ``quantization`` is ``"int8"`` or ``"int4"`` (quantize the model's float weights; int4 keeps
+    the LM head in int8), or
     ``"gguf"``: ``codes`` hands in, by module name, codes made from the file's own blocks; a
     matrix without codes stays dense in the model's dtype. ``describe`` turns a module name into
     what the checkpoint calls it, for error messages. ``dtype``: the activations' (default: the
@@ -362,7 +363,9 @@ def quantize_model(
             c = (codes or {}).get(name)
             if c is None:
                 continue
-        elif quantization == "int8":
+        elif quantization == "int8" or name in ("embed", "lm_head"):
+            # int4 keeps the LM head (the tied table too) in int8, as llama.cpp's 4-bit files
+            # do: the one matrix every logit comes from is the one 4 bits hurt most
             c = quantize_int8(w)
         else:
             c = quantize_int4(w, group_size, label)

@@ -83,9 +83,9 @@ import ctypes, gc, json, os, sys, torch
 import llmlib
 from llmlib.bench.formats import stored_bytes
 torch.set_num_threads(1)
-def rss():  # resident pages of this process (Linux)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss():  # resident anonymous memory (Linux): not the memory-mapped file's pages
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
 before = rss()
 m = llmlib.load_model(sys.argv[1], "cpu", sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3])
 gc.collect()
@@ -93,7 +93,8 @@ try:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 except OSError:
     pass
-print(json.dumps({"rss": rss() - before, "stored": stored_bytes(m)}))
+rope = sum(b.numel() * b.element_size() for b in m.rope.buffers())  # tables, not weights
+print(json.dumps({"rss": rss() - before - rope, "stored": stored_bytes(m)}))
 """
 
 
