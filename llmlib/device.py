@@ -92,15 +92,18 @@ def native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-#: What ``LLM()`` and ``llmlib generate/chat/serve`` run when neither a dtype nor a quantization is
-#: asked for, on a CPU with native bfloat16: the first that applies to the file, in this order
-#: (fastest first among the formats whose perplexity stays within 1% of float32 on the book's
-#: text; ``llmlib bench generate --formats`` and ``llmlib perplexity`` measure both, and
-#: tests/test_quantize.py checks this order against the recorded results).
-AUTO_CPU_FORMATS: tuple[tuple[str, str | None], ...] = (
-    ("bfloat16", "gguf"),
-    ("bfloat16", "int8"),
-)
+#: What ``llmlib generate/chat`` (one request, batch-1 decode) and ``LLM()``/``llmlib serve``
+#: (batched) run when neither a dtype nor a quantization is asked for, on a CPU with native
+#: bfloat16: the first that applies to the file, in this order. Fastest first among the formats
+#: whose perplexity stays within 1% of float32 on the book's text, as measured here by
+#: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
+#: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
+#: the recorded runs in results/. Batches favour bfloat16: AMX multiplies many rows of a
+#: bfloat16 matrix fast, while the weight-only kernels are made for one row.
+AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "decode": (("bfloat16", "gguf"), ("bfloat16", "int8")),
+    "batched": (("bfloat16", None),),
+}
 
 
 def choose_format(
@@ -108,14 +111,16 @@ def choose_format(
     dtype: str | torch.dtype | None,
     quantization: str | None,
     gguf_blocks: bool = False,
+    batched: bool = False,
 ) -> tuple[Placement, str | None]:
     """The placement and quantization a user-facing entry point runs: what was asked, or, when
     neither was, the fastest accurate format for this machine (:data:`AUTO_CPU_FORMATS` on a CPU
-    with native bfloat16; float32 on other CPUs; bfloat16 on CUDA). ``gguf_blocks``: whether the
-    file holds GGUF blocks that ``"gguf"`` can repack."""
+    with native bfloat16, for one request or for ``batched`` ones; float32 on other CPUs;
+    bfloat16 on CUDA). ``gguf_blocks``: whether the file holds GGUF blocks that ``"gguf"`` can
+    repack."""
     dev = pick_device(device)
     if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
-        for d, q in AUTO_CPU_FORMATS:
+        for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
             if q != "gguf" or gguf_blocks:
                 return Placement(dev, torch_dtype(d)), q
     return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization

@@ -188,23 +188,35 @@ def test_gguf_needs_a_gguf_file_and_blocks(tmp_path: Path) -> None:
         llmlib.load_model(path, "cpu", quantization="gguf")
 
 
-def test_auto_format_order_follows_the_recorded_measurements() -> None:
-    """``AUTO_CPU_FORMATS`` is the recorded fastest format within 1% of float32's perplexity."""
-    from llmlib.device import AUTO_CPU_FORMATS
-
-    rec = ROOT / "results" / "formats.json"
-    if not rec.exists():
-        pytest.skip("no recorded formats benchmark")
-    r = json.loads(rec.read_text())
+def _fastest_within_one_percent(formats: list[dict], key: str) -> tuple[str, str | None]:
     ok = [
         f
-        for f in r["formats"]
+        for f in formats
         if f.get("perplexity_vs_float32") is not None
         and f["perplexity_vs_float32"] <= 1.01
         and f["name"] != "float32"
     ]
-    best = max(ok, key=lambda f: f["tokens_per_s"])
-    assert (best["dtype"], best["quantization"]) == AUTO_CPU_FORMATS[0]
+    best = max(ok, key=lambda f: f[key])
+    return best["dtype"], best["quantization"]
+
+
+@pytest.mark.parametrize(
+    "workload, record, key",
+    [
+        ("decode", "formats.json", "tokens_per_s"),
+        ("batched", "batching_formats.json", "continuous_tokens_per_s"),
+    ],
+)
+def test_auto_format_order_follows_the_recorded_measurements(workload, record, key) -> None:
+    """``AUTO_CPU_FORMATS`` puts first the recorded fastest format within 1% of float32's
+    perplexity, for one request (decode) and for the batching engine."""
+    from llmlib.device import AUTO_CPU_FORMATS
+
+    rec = ROOT / "results" / record
+    if not rec.exists():
+        pytest.skip(f"no recorded {record}")
+    formats = json.loads(rec.read_text())["formats"]
+    assert _fastest_within_one_percent(formats, key) == AUTO_CPU_FORMATS[workload][0]
 
 
 def test_dequantize_helpers_agree() -> None:

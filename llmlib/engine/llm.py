@@ -134,7 +134,7 @@ class LLM:
             path = Path(model)
             # neither dtype nor quantization given: the fastest accurate format for this machine
             place, quantization = choose_format(
-                device, dtype, quantization, gguf_blocks=path.suffix == ".gguf"
+                device, dtype, quantization, gguf_blocks=path.suffix == ".gguf", batched=True
             )
             model_obj = load_model(path, place.device, place.dtype, quantization)
             if tokenizer is None:

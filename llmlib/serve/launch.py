@@ -81,7 +81,7 @@ def build_engine(
     if quantization == "none":
         quantization, dtype = None, dtype or "float32"
     place, quantization = choose_format(
-        device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf"
+        device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf", batched=True
     )
     if quantization is not None:
         engine_kwargs["quantization"] = quantization
