@@ -299,6 +299,11 @@ class OneDNNWeight(PackedWeight):
     def dequantize(self) -> torch.Tensor:
         return self.w.to_dense()
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # in a state dict this is the plain matrix it holds, under the weight's own name
+        # (``...wqkv.weight``, which the fused projection then splits into wq, wk, wv)
+        destination[prefix.removesuffix(".")] = self.w.to_dense()
+
 
 def _inner_k_tiles(k: int) -> int:
     for t in (8, 4, 2):
