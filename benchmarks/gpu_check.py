@@ -20,6 +20,11 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
    the bytes a step reads as stored, and that traffic against the measured copy bandwidth.
 5. ``engine_throughput``: the batching engine on 256 requests, prompt and output lengths uniform in
    100..1024 (EOS ignored), random weights of the chosen shape.
+6. ``tensor_parallel``: the engine split over ``--tp`` GPUs with NCCL (skipped on a one-GPU
+   machine): a checkpoint of ``--tp-layers`` layers of ``--tp-model``'s shape is saved, then run
+   at TP = 1 and TP = N: greedy tokens equal in float32, each rank's weights its shard, every KV
+   block returned; in bfloat16, tokens/s of both and the share of a step in all-reduce (timed with
+   a device sync around each call, so that run is slower), beside ``llmlib.capacity``'s figure.
 
 ``--dry-run`` does all of it on the CPU with tiny shapes (2 layers, 8 requests, short lengths) and
 writes the same schema with ``"dry_run": true`` to ``gpu_check.dry_run.json``, so the real results
@@ -572,6 +577,97 @@ class Check:
             "ok": finished_all,
         }
 
+    # 6
+    def tensor_parallel(self) -> dict:
+        """The engine split over GPUs with NCCL (over CPU processes with gloo in the dry run):
+        greedy tokens equal to one GPU's in float32, weights per rank against the shape table,
+        and, in bfloat16, tokens/s and the share of each step spent in all-reduce."""
+        import tempfile
+
+        from llmlib.capacity import shard
+        from llmlib.checkpoints.save import save_hf_folder
+        from llmlib.engine import LLM
+        from llmlib.parallel.driver import TPOptions
+        from llmlib.sampling import SamplingParams
+
+        n_gpus = 2 if self.dry else torch.cuda.device_count()
+        if n_gpus < 2:
+            return {"ok": True, "skipped": f"needs 2 or more GPUs; this machine has {n_gpus}"}
+        if self.dry:
+            cfg, tp, n_req, n_new, fast = TINY_UNTIED, 2, 4, 8, torch.float32
+        else:
+            cfg = get_config(self.args.tp_model)
+            cfg = cfg.replace(n_layers=self.args.tp_layers, max_seq_len=2048)
+            tp, n_req, n_new, fast = min(self.args.tp, n_gpus), 32, 64, torch.bfloat16
+        rng = random.Random(2)
+        prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(8, 200))]]
+        prompts += [[rng.randrange(3, cfg.vocab_size) for _ in range(64)] for _ in range(n_req - 1)]
+        greedy = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+        dev = "cpu" if self.dry else "cuda"
+        res: dict[str, Any] = {"model": cfg.name, "layers": cfg.n_layers, "tp": tp}
+        with tempfile.TemporaryDirectory(dir=self.args.tp_tmp) as folder:
+            model = random_model(cfg, "cpu" if self.dry else "cuda", fast, seed=3)
+            save_hf_folder(model, folder, max_shard_bytes=4 << 30)
+            del model
+            runs = {}
+            for name, n, dtype, timing in (
+                ("tp1_fp32", 1, torch.float32, None),
+                ("tpN_fp32", tp, torch.float32, None),
+                ("tp1_fast", 1, fast, None),
+                ("tpN_fast", tp, fast, False),
+                ("tpN_fast_timed", tp, fast, True),
+            ):
+                opts = TPOptions(timing=timing)
+                kw = {"tensor_parallel_size": n, "tp_options": opts} if n > 1 else {}
+                with LLM(folder, device=dev, dtype=dtype, max_num_seqs=n_req, **kw) as llm:
+                    llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+                    llm.reset_stats()  # every rank's counters too
+                    synchronize(torch.device(dev))
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, greedy, use_tqdm=False)
+                    synchronize(torch.device(dev))
+                    sec = time.perf_counter() - t0
+                    reports = llm.tensor_parallel_report()
+                runs[name] = {
+                    "tokens": [o.token_ids for o in outs],
+                    "seconds": sec,
+                    "output_tok_s": n_req * n_new / sec,
+                    "ranks": [
+                        {
+                            "rank": r.rank,
+                            "weight_bytes": r.weight_bytes,
+                            "shard_bytes": r.shard_bytes,
+                            "model_bytes": r.model_bytes,
+                            "held_blocks": r.held_blocks,
+                            "allreduce_share": r.allreduce_share,
+                            "allreduce_calls": r.allreduce_calls,
+                        }
+                        for r in reports
+                    ],
+                }
+        res["tokens_equal_fp32"] = runs["tpN_fp32"]["tokens"] == runs["tp1_fp32"]["tokens"]
+        res["fast_tokens_agree"] = sum(
+            _agree(a, b) for a, b in zip(runs["tpN_fast"]["tokens"], runs["tp1_fast"]["tokens"])
+        ) / (n_req * n_new)  # bf16: leading tokens shared (rounding may split a near-tie later)
+        for name, r in runs.items():
+            res[name] = {k: v for k, v in r.items() if k != "tokens"}
+        res["speedup_tpN_vs_tp1"] = (
+            runs["tpN_fast"]["output_tok_s"] / runs["tp1_fast"]["output_tok_s"]
+        )
+        ranks = runs["tpN_fp32"]["ranks"]
+        res["weights_are_shards"] = all(r["weight_bytes"] == r["shard_bytes"] for r in ranks)
+        res["blocks_returned"] = all(r["held_blocks"] == 0 for r in ranks)
+        if not self.dry:
+            name = torch.cuda.get_device_name(0).lower()
+            key = "h200" if "h200" in name else ("h100-sxm" if "h100" in name else None)
+            if key:
+                s_ = shard(cfg, key, tp, "bf16", context=200, batch=n_req)
+                res["capacity_predicted_comm_share"] = s_.comm_share
+        res["ok"] = (
+            res["tokens_equal_fp32"] and res["weights_are_shards"] and res["blocks_returned"]
+        )
+        return res
+
     def run(self) -> int:
         print(
             f"gpu_check: {'DRY RUN on ' if self.dry else ''}{self.report['machine']['device_name']} "
@@ -585,6 +681,7 @@ class Check:
         self.section("llama8b_batch1", self.llama8b)
         self.section("llama8b_formats", self.llama8b_formats)
         self.section("engine_throughput", self.engine)
+        self.section("tensor_parallel", self.tensor_parallel)
         ok = all(s.get("ok") for s in self.report["sections"].values())
         self.report["ok"] = ok
         self.save()
@@ -615,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="*",
         default=None,
-        help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 engine_throughput",
+        help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 "
+        "engine_throughput tensor_parallel",
     )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -632,6 +730,14 @@ def main(argv: list[str] | None = None) -> int:
         help="stop the throughput run after this long",
     )
     ap.add_argument("--tests-timeout", type=float, default=300.0)
+    ap.add_argument("--tp", type=int, default=2, help="GPUs for the tensor-parallel section")
+    ap.add_argument(
+        "--tp-model", default="llama-3.1-8b", help="preset shape for the tensor-parallel section"
+    )
+    ap.add_argument(
+        "--tp-layers", type=int, default=8, help="layers of it to keep (the checkpoint is saved)"
+    )
+    ap.add_argument("--tp-tmp", default=None, help="where to write that checkpoint (default: /tmp)")
     args = ap.parse_args(argv)
     return Check(args).run()
 

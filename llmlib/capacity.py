@@ -126,6 +126,10 @@ class Sharding:
     allreduce_ms: float  # the step's 2 x layers all-reduces of ``batch`` tokens
     decode_ms_per_step: float  # the three in sequence: the floor of one step for the whole batch
     comm_share: float  # fraction of the step spent in all-reduce
+    compute_ms: float  # the step's FLOPs per GPU at the GPU's dense bf16 rate
+    step_ms: float  # max(weights + KV, compute) + all-reduce: the step's roofline when split
+    tokens_per_s: float  # batch / step_ms
+    bound: str  # the largest of the three terms: "memory", "compute" or "communication"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +150,8 @@ def shard(
     The decode floor of one step at ``batch`` sequences of ``context`` tokens each reads this GPU's
     weights and its share of the batch's KV cache at the memory bandwidth, then spends two
     all-reduces per layer on the batch's activations; the three are added (no overlap assumed).
+    ``step_ms`` is the same step with the roofline's compute ceiling too: the larger of the
+    memory time and the FLOPs time, plus the all-reduces, and ``bound`` names the largest term.
     """
     cfg = get_config(model)
     g = get_gpu(gpu)
@@ -165,6 +171,10 @@ def shard(
     t_kv = batch * context * kv_tok / g.bandwidth
     t_ar = 2 * cfg.n_layers * allreduce_seconds(batch * per_layer / 2, tp, g, allreduce_latency_s)
     step = t_w + t_kv + t_ar
+    # every GPU does 1/tp of each token's FLOPs (the attention of its own heads included)
+    t_c = batch * C.flops_per_token(cfg, context + 1) / tp / g.flops
+    roof = max(t_w + t_kv, t_c) + t_ar
+    terms = {"memory": t_w + t_kv, "compute": t_c, "communication": t_ar}
     return Sharding(
         model=cfg.name,
         gpu=g.name,
@@ -187,7 +197,25 @@ def shard(
         allreduce_ms=t_ar * 1e3,
         decode_ms_per_step=step * 1e3,
         comm_share=t_ar / step,
+        compute_ms=t_c * 1e3,
+        step_ms=roof * 1e3,
+        tokens_per_s=batch / roof,
+        bound=max(terms, key=terms.get),
     )
+
+
+def comm_over_weights_batch(
+    model: ModelConfig | str, gpu: GPU | str, tp: int, dtype: str = "bf16", max_batch: int = 1 << 20
+) -> int | None:
+    """The smallest batch (short contexts) whose all-reduces take longer than reading this GPU's
+    weights: past it, the link rather than the weights sets the memory floor. None within
+    ``max_batch`` (or ``tp == 1``, which has no all-reduce)."""
+    if tp == 1:
+        return None
+    one = shard(model, gpu, tp, dtype, context=1, batch=1)
+    per_seq = one.allreduce_ms
+    b = math.floor(one.weight_read_ms / per_seq) + 1
+    return b if b <= max_batch else None
 
 
 def min_gpus(

@@ -173,7 +173,8 @@ class Generator:
         n = len(prompt_ids)
         cache = self._cache_for(n + max_new_tokens)
         gens = [params.make_generator(self.device)]
-        seen = [list(prompt_ids)] if params.repetition_penalty != 1.0 else None
+        seen = [list(prompt_ids)] if params.penalized else None
+        outs: list[list[int]] = [[]]  # generated tokens, for presence/frequency penalties
         model = self.model
 
         t0 = time.perf_counter()
@@ -181,17 +182,18 @@ class Generator:
             ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
             # last_only: the LM head runs on the last position only (the prompt's other logits are unused)
             logits = model(ids, self._positions[:, :n], cache, last_only=True)
-            tok = sample(logits[:, -1], [params], gens, seen)
+            tok = sample(logits[:, -1], [params], gens, seen, outs)
         tid = int(tok[0])  # the one host sync per step: we need the id for EOS, stops and text
         timing.prefill_s = time.perf_counter() - t0
         yield tid
         for pos in range(n, n + max_new_tokens - 1):
             if seen is not None:
                 seen[0].append(tid)
+                outs[0].append(tid)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 logits = self._step(model, tok.view(1, 1), self._positions[:, pos : pos + 1], cache)
-                tok = sample(logits[:, -1], [params], gens, seen)
+                tok = sample(logits[:, -1], [params], gens, seen, outs)
             tid = int(tok[0])
             timing.step_s.append(time.perf_counter() - t0)
             yield tid

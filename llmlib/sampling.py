@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_N = 128  # choices per request (a server bounds it further)
+MAX_LOGPROBS = 20  # top log-probabilities per token, OpenAI's bound
+MAX_LOGIT_BIAS = 300  # entries in logit_bias, OpenAI's bound
+
 
 @dataclass
 class SamplingParams:
@@ -32,8 +36,30 @@ class SamplingParams:
         (the CTRL rule that Hugging Face uses: divide a positive logit, multiply a negative one).
     seed: seeds this request's own ``torch.Generator``; None draws from torch's global generator.
     max_tokens: the most new tokens to generate.
-    stop: strings that end generation when they appear in the output (not included in the text).
+    stop: strings that end generation when they appear in the output (not included in the text,
+        unless ``include_stop_str_in_output``).
     ignore_eos: keep generating past the end-of-sequence token.
+
+    The rest follows OpenAI's API and vLLM's extensions of it:
+
+    n: how many independent completions (choices) of the one prompt; the engine computes the
+        prompt once and forks its KV blocks, and choice ``i`` draws from seed ``seed + i``.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtract ``presence`` from the logit of every
+        token already generated, and ``frequency`` times how often it was generated (output
+        tokens only, OpenAI's rule; ``repetition_penalty`` also counts the prompt).
+    logit_bias: ``{token id: bias}``, each bias in [-100, 100], added to the logits.
+    stop_token_ids: tokens that end generation like EOS does (also under ``ignore_eos``).
+    min_tokens: EOS and ``stop_token_ids`` are masked out, and stop strings not looked for,
+        until this many tokens have been generated.
+    include_stop_str_in_output: keep the stop string that ended the text in it.
+    logprobs: report the log-probability of every sampled token and of the ``logprobs`` most
+        likely ones (0 = the sampled token's only; at most 20). They are the log-softmax of the
+        model's raw logits, before penalties, bias, temperature and the top-k/p filters, as vLLM
+        reports them: what the model thinks, not what the sampler drew from.
+    prompt_logprobs: the same for every prompt token (the first has none); the prompt is then
+        computed in full, never taken from the prefix cache.
+    json_schema: the output must be JSON valid against this schema (``{"type": "object"}`` for
+        any JSON object), enforced token by token by a grammar (:mod:`llmlib.structured`).
     """
 
     temperature: float = 1.0
@@ -45,6 +71,16 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         def real(name: str, v: object) -> float:
@@ -77,8 +113,11 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.seed must be a non-negative int or None, got {self.seed}"
             )
-        if integer("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if integer("max_tokens", self.max_tokens) < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(
+                f"SamplingParams.max_tokens must be >= 1 (0 only to score a prompt with "
+                f"prompt_logprobs), got {self.max_tokens}"
+            )
         if isinstance(self.stop, str):  # a single stop string is a common slip; accept it
             self.stop = [self.stop]
         if self.stop is None:
@@ -90,10 +129,61 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain the empty string")
         self.stop = list(self.stop)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(
-                f"SamplingParams.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
-            )
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"SamplingParams.{name} must be a bool, got {type(getattr(self, name)).__name__}"
+                )
+        self._check_openai_fields(real, integer)
+
+    def _check_openai_fields(self, real, integer) -> None:
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise ValueError(f"SamplingParams.n must be in 1..{MAX_N}, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= real(name, getattr(self, name)) <= 2.0:
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}"
+                )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"SamplingParams.logit_bias must be a dict of at most {MAX_LOGIT_BIAS} entries"
+                )
+            bias = {}
+            for k, v in self.logit_bias.items():
+                if integer("logit_bias key", k) < 0 or not -100.0 <= real("logit_bias", v) <= 100.0:
+                    raise ValueError(
+                        f"SamplingParams.logit_bias maps token ids >= 0 to biases in [-100, 100], "
+                        f"got {k!r}: {v!r}"
+                    )
+                bias[k] = float(v)
+            self.logit_bias = bias or None
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError("SamplingParams.stop_token_ids must be a list of token ids")
+        for t in self.stop_token_ids:
+            if integer("stop_token_ids", t) < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {t}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= integer(name, v) <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"SamplingParams.{name} must be in 0..{MAX_LOGPROBS} or None, got {v}"
+                )
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise TypeError("SamplingParams.json_schema must be a dict (a JSON schema)")
+
+    @property
+    def penalized(self) -> bool:
+        """Does any penalty or bias change the logits (so the sampler needs the tokens seen)?"""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +213,49 @@ def apply_repetition_penalty(
     p = penalty.to(logits.dtype).unsqueeze(1)
     picked = torch.where(picked > 0, picked / p, picked * p)
     return logits.scatter(1, seen, picked)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seen: Sequence[Sequence[int]] | None,
+    outputs: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Every row's repetition penalty (prompt and output tokens, ``seen``), presence and frequency
+    penalties (generated tokens, ``outputs``, OpenAI's rule: ``logit - count * frequency -
+    (count > 0) * presence``) and logit bias. Returns a new tensor; rows without any are untouched."""
+    logits = logits.clone()
+    V = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.penalized:
+            continue
+        row = logits[i : i + 1]
+        if p.repetition_penalty != 1.0:
+            if seen is None:
+                raise ValueError(
+                    "a repetition_penalty needs the tokens seen so far (the `seen` argument)"
+                )
+            if len(seen[i]):
+                ids = torch.tensor([list(seen[i])], device=logits.device)
+                pen = torch.tensor([p.repetition_penalty], device=logits.device)
+                row = apply_repetition_penalty(row, ids, pen)
+        if p.presence_penalty or p.frequency_penalty:
+            if outputs is None:
+                raise ValueError(
+                    "presence and frequency penalties need the generated tokens (`outputs`)"
+                )
+            if len(outputs[i]):
+                ids = torch.tensor(list(outputs[i]), device=logits.device)
+                counts = torch.bincount(ids, minlength=V)[:V].to(row.dtype)
+                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < V], device=logits.device)
+            vals = torch.tensor(
+                [p.logit_bias[t] for t in p.logit_bias if t < V], device=logits.device
+            )
+            row = row.index_add(1, ids, vals.to(row.dtype).unsqueeze(0))
+        logits[i : i + 1] = row
+    return logits
 
 
 def filter_logits(
@@ -167,12 +300,14 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
     seen: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits`` [B, V], each row with its own params and generator.
 
     ``seen`` lists, per row, the token ids the repetition penalty applies to (prompt and output so
-    far); it is only read for rows whose penalty is not 1. Returns a LongTensor [B] on the logits'
-    device. Rows that are all greedy take the fast path: one argmax, no sort, no softmax.
+    far), ``outputs`` the generated ones the presence and frequency penalties count; both are only
+    read for rows that are penalized (:func:`apply_penalties`). Returns a LongTensor [B] on the
+    logits' device. Rows that are all greedy take the fast path: one argmax, no sort, no softmax.
     """
     if logits.dim() != 2:
         raise ValueError(
@@ -185,17 +320,8 @@ def sample(
         raise ValueError(f"sample got {len(generators)} generators for a batch of {B} rows")
     logits = logits.float()
 
-    penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if penalized:
-        if seen is None:
-            raise ValueError(
-                "a repetition_penalty needs the tokens seen so far (the `seen` argument)"
-            )
-        for i in penalized:
-            if len(seen[i]):
-                ids = torch.tensor([list(seen[i])], device=logits.device)
-                pen = torch.tensor([params[i].repetition_penalty], device=logits.device)
-                logits[i : i + 1] = apply_repetition_penalty(logits[i : i + 1], ids, pen)
+    if any(p.penalized for p in params):
+        logits = apply_penalties(logits, params, seen, outputs)
 
     greedy = [p.greedy for p in params]
     out = logits.argmax(dim=-1)
@@ -203,13 +329,37 @@ def sample(
         return out
     rows = [i for i, g in enumerate(greedy) if not g]
     sub = logits[rows]
-    filtered = filter_logits(sub, *_param_tensors([params[i] for i in rows], V, logits.device))
+    kept = [params[i] for i in rows]
+    if any(_filters(p) for p in kept):
+        filtered = filter_logits(sub, *_param_tensors(kept, V, logits.device))
+    else:  # temperature alone: no sort needed (the sort is most of a draw's cost)
+        filtered = sub / torch.tensor([p.temperature for p in kept], device=sub.device).unsqueeze(1)
     probs = filtered.softmax(dim=-1)
-    for j, i in enumerate(rows):
-        g = generators[i] if generators is not None else None
-        # one multinomial draw per row, so each row consumes only its own random stream
-        out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+    gens = [generators[i] if generators is not None else None for i in rows]
+    out[rows] = draw(probs, gens)
     return out
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V], by inverting the row's cumulative distribution at a
+    uniform draw from the row's own generator (torch's global one where None): a row consumes
+    only its own random stream, and all rows share one cumulative sum and one search."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.empty(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype)
+    free = [r for r, g in enumerate(generators) if g is None]
+    if free:
+        u[free] = torch.rand(len(free), 1, device=probs.device, dtype=cdf.dtype)
+    for r, g in enumerate(generators):
+        if g is not None:
+            u[r] = torch.rand(1, generator=g, device=probs.device, dtype=cdf.dtype)
+    # right=True: the first token whose cumulative mass passes u, so one of zero mass never wins
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def _filters(p: SamplingParams) -> bool:
+    """Does any of top-k, top-p, min-p cut this row's distribution?"""
+    return bool(p.top_k) or (p.top_p is not None and p.top_p < 1.0) or bool(p.min_p)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

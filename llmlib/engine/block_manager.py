@@ -124,19 +124,20 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def plan(self, seq: SequenceView) -> AllocationPlan:
+    def plan(self, seq: SequenceView, use_cache: bool = True) -> AllocationPlan:
         """How many blocks admitting ``seq`` would take, and which prefix blocks it would reuse.
 
         Raises :class:`PrefixPending` when a prefix block it could share is allocated but not yet
         computed (another sequence is prefilling it in this step): waiting one step turns that
-        into a hit, which is what makes a shared prefix computed exactly once.
+        into a hit, which is what makes a shared prefix computed exactly once. ``use_cache=False``
+        computes every token (a request that wants every prompt position's logits).
         """
         tokens = seq.token_ids
         bs = self.block_size
         n_blocks = self.blocks_for(len(tokens))
         plan = AllocationPlan()
         parent: int | None = None
-        hitting = self.enable_prefix_caching
+        hitting = self.enable_prefix_caching and use_cache
         for i in range(n_blocks):
             chunk = tokens[i * bs : (i + 1) * bs]
             h = block_hash(parent, chunk) if len(chunk) == bs else None
@@ -193,6 +194,35 @@ class BlockManager:
         seq.block_table = table
         seq.num_cached_tokens = len(plan.hits) * bs
         seq.num_computed_tokens = seq.num_cached_tokens
+
+    def fork(self, parent: SequenceView, child: SequenceView) -> list[tuple[int, int]] | None:
+        """Give ``child`` the parent's KV blocks (``n > 1``: one prompt, several choices).
+
+        Full blocks are shared (their reference counts go up; no key or value is recomputed or
+        copied). A last block that is only partly filled is copied on write: the child gets a
+        fresh block, since each choice writes its own next tokens into it. Returns the
+        ``(source, destination)`` block copies the cache must make, or None (nothing changed)
+        when no free block is left for them.
+        """
+        if child.block_table:
+            raise ValueError("fork: the child already has a block table")
+        bs = self.block_size
+        n = parent.num_computed_tokens
+        partial = n % bs != 0
+        if partial and not self.free:
+            return None
+        table = list(parent.block_table[: -(-n // bs)])
+        copies = []
+        for bid in table[:-1] if partial else table:
+            self.blocks[bid].ref_count += 1
+        if partial:
+            fresh = self._take_free()
+            copies.append((table[-1], fresh.block_id))
+            table[-1] = fresh.block_id
+        child.block_table = table
+        child.num_computed_tokens = n
+        child.num_cached_tokens = parent.num_cached_tokens
+        return copies
 
     def can_append(self, seq: SequenceView) -> bool:
         """Is there room for the sequence's tokens (one more block at most)?"""

@@ -24,67 +24,14 @@ from typing import Any
 import torch
 
 from llmlib.engine.block_manager import BlockManager
-from llmlib.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from llmlib.engine.runner import ModelRunner
+from llmlib.engine.outputs import EngineStats, RequestOutput
+from llmlib.engine.request import Choice, EngineRequest, choice_generator
+from llmlib.engine.runner import ModelRunner, StepResult
 from llmlib.engine.scheduler import Scheduler, SchedulerStats
-from llmlib.engine.sequence import Sequence
+from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
 from llmlib.shapes import kv_cache_bytes as kv_formula
-from llmlib.text import TextStream
-
-
-class _Request:
-    """One request's text state in the engine: its sequence, its sampler and its :class:`TextStream`."""
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        seq: Sequence,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        tokenizer: Any,
-    ) -> None:
-        self.request_id, self.prompt, self.seq, self.params, self.generator = (
-            request_id,
-            prompt,
-            seq,
-            params,
-            generator,
-        )
-        self.text = TextStream(
-            tokenizer.id_to_bytes if tokenizer is not None else None, params.stop
-        )
-        self.tokens_emitted = 0
-
-    def output(self) -> RequestOutput:
-        s = self.seq
-        delta = self.text.delta()
-        out_ids = s.output_token_ids
-        delta_ids = out_ids[self.tokens_emitted :]
-        self.tokens_emitted = len(out_ids)
-        m = RequestMetrics(
-            arrival_time=s.arrival_time,
-            first_scheduled_time=s.first_scheduled_time,
-            first_token_time=s.first_token_time,
-            finished_time=s.finished_time,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_cached_tokens=s.prompt_cached_tokens,
-            num_generated_tokens=len(out_ids),
-            num_preemptions=s.num_preemptions,
-        )
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            list(s.prompt_token_ids),
-            self.text.text[: self.text.emitted],
-            list(out_ids),
-            s.finish_reason,
-            m,
-            delta,
-            delta_ids,
-        )
 
 
 class LLM:
@@ -103,6 +50,10 @@ class LLM:
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
+
+    ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
+    process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
+    stops the others. ``tp_options``: a :class:`llmlib.parallel.TPOptions`.
 
     ``dtype`` and ``quantization`` choose the format (:func:`llmlib.load_model`); for a path with
     neither given, the fastest one whose perplexity stays within 1% of float32 on this machine
@@ -126,8 +77,18 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         quantization: str | None = None,
         cuda_graphs: bool | None = None,
+        tensor_parallel_size: int = 1,
+        tp_options: Any = None,
     ) -> None:
-        if isinstance(model, (str, Path)):
+        self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
+        if tensor_parallel_size != 1:
+            from llmlib.parallel.driver import start_engine
+
+            self._tp, model_obj, tokenizer = start_engine(
+                model, tensor_parallel_size, device, dtype, tokenizer, tp_options
+            )
+            cuda_graphs = False  # each step is a round of collectives: no graph replay
+        elif isinstance(model, (str, Path)):
             from llmlib.checkpoints import load_model, load_tokenizer_for
             from llmlib.device import choose_format
 
@@ -153,55 +114,86 @@ class LLM:
             raise TypeError(
                 f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
             )
-        self.model = model_obj.eval()
-        self.tokenizer = tokenizer
-        self.config = cfg = model_obj.config
-        p = next(model_obj.parameters())
-        # the KV pool is held in the model's (activations') dtype, whatever the weights are in
-        self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
-        max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
-        bytes_per_block = kv_formula(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, self.dtype.itemsize
-        )
-        if num_blocks is None:
-            if kv_cache_bytes is None:
-                if self.device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(self.device)
-                    kv_cache_bytes = int(free * 0.8)
-                else:
-                    kv_cache_bytes = 1 << 30
-            # never more than max_num_seqs full-length sequences (plus one block each) could use
-            needed = max_num_seqs * (-(-max_len // block_size) + 1)
-            num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        self.max_model_len = self.scheduler.max_model_len
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            block_size,
-            cuda_graphs=cuda_graphs,
-            max_graph_rows=max_num_seqs,
-            max_model_len=max_len,
-        )
-        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
-        self._ids = itertools.count()
-        self._stats = EngineStats()
-        self._block_hits0 = 0
+        try:  # a sharded engine that fails to finish starting stops its ranks
+            self.model = model_obj.eval()
+            self.tokenizer = tokenizer
+            # sharded, the model is rank 0's slice; the config stays the whole model's
+            self.config = cfg = self._tp.config if self._tp else model_obj.config
+            p = next(model_obj.parameters())
+            # the KV pool is held in the model's (activations') dtype, whatever the weights are in
+            self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
+            if not isinstance(block_size, int) or block_size <= 0:
+                raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
+            max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
+            local = model_obj.config  # a rank's pool holds its own KV heads
+            bytes_per_block = kv_formula(
+                local.n_layers, local.n_kv_heads, local.head_dim, block_size, self.dtype.itemsize
+            )
+            if num_blocks is None:
+                if kv_cache_bytes is None:
+                    if self.device.type == "cuda":
+                        free, _ = torch.cuda.mem_get_info(self.device)
+                        kv_cache_bytes = int(free * 0.8)
+                    else:
+                        kv_cache_bytes = 1 << 30
+                # never more than max_num_seqs full-length sequences (plus one block each) could use
+                needed = max_num_seqs * (-(-max_len // block_size) + 1)
+                num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
+            if not isinstance(num_blocks, int) or num_blocks <= 0:
+                raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
+            self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.block_manager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            )
+            self.max_model_len = self.scheduler.max_model_len
+            if self._tp is not None:
+                self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
+            else:
+                self.runner = ModelRunner(
+                    self.model,
+                    num_blocks,
+                    block_size,
+                    cuda_graphs=cuda_graphs,
+                    max_graph_rows=max_num_seqs,
+                    max_model_len=max_len,
+                )
+            self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+            self._requests: dict[str, EngineRequest] = {}
+            self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
+            self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
+            self._ids = itertools.count()
+            self._stats = EngineStats()
+            self._block_hits0 = 0
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self._tp is None else self._tp.tp
+
+    def tensor_parallel_report(self) -> list[Any]:
+        """Every rank's weights, KV pool and time in all-reduce
+        (:class:`llmlib.parallel.worker.RankReport`); empty when not sharded."""
+        return [] if self._tp is None else self._tp.report()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op when not sharded); the engine is then done."""
+        if self._tp is not None:
+            self._tp.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def capture_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> int:
         """Capture the decode-step graphs for up to ``max_rows`` sequences of up to ``max_tokens``
@@ -213,10 +205,13 @@ class LLM:
         return g.capture(max_rows, None if max_tokens is None else -(-max_tokens // bs))
 
     # ---- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: Prompt, allow_special: bool = False) -> tuple[str | None, list[int]]:
         """A prompt as (text or None, token ids): text, a conversation (the chat template), or token
-        ids, which pass through, checked (:func:`llmlib.prompts.encode_prompt`)."""
-        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.config.vocab_size)
+        ids, which pass through, checked (:func:`llmlib.prompts.encode_prompt`). ``allow_special``
+        parses special tokens written in a text prompt as special (the completions convention)."""
+        text, ids = encode_prompt(
+            self.tokenizer, prompt, vocab_size=self.config.vocab_size, allow_special=allow_special
+        )
         return (None if not text and not isinstance(prompt, str) else text), ids
 
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -230,30 +225,60 @@ class LLM:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
                 f"maximum sequence length of {self.max_model_len} tokens"
             )
+        if params.json_schema is not None:
+            self.grammars().grammar(params.json_schema)  # SchemaError (a ValueError) says why not
+
+    def grammars(self) -> Any:
+        """The structured-output compiler for this engine's tokenizer and end tokens."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer")
+            from llmlib.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.eos_token_ids)
+        return self._grammars
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        allow_special: bool = False,
     ) -> str:
         """Queue a request; it starts at the next :meth:`step` there is room. Returns its id."""
         params = params if params is not None else SamplingParams()
-        text, ids = self.encode(prompt)
+        text, ids = self.encode(prompt, allow_special)
         self.validate(ids, params)
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        seq = Sequence(
-            seq_id=next(self._ids),
-            prompt_token_ids=ids,
-            max_tokens=params.max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            ignore_eos=params.ignore_eos,
-            params=params,
-            request_id=rid,
-        )
-        req = _Request(rid, text, seq, params, params.make_generator(self.device), self.tokenizer)
-        self.scheduler.add(seq)
+        choices = []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._ids),
+                prompt_token_ids=ids,
+                max_tokens=params.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                ignore_eos=params.ignore_eos,
+                params=params,
+                request_id=rid,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                use_prefix_cache=params.prompt_logprobs is None,
+                matcher=None
+                if params.json_schema is None
+                else self.grammars().matcher(params.json_schema),
+            )
+            gen = choice_generator(params, i, self.device)
+            choices.append(Choice(i, seq, params, gen, self.tokenizer))
+        first = choices[0].seq
+        first.forks = [c.seq for c in choices[1:]]
+        for c in choices[1:]:
+            c.seq.arrival_time = first.arrival_time
+        req = EngineRequest(rid, text, params, choices)
+        self.scheduler.add(first)
         self._requests[rid] = req
-        self._by_seq[seq.seq_id] = req
+        for c in choices:
+            self._by_seq[c.seq.seq_id] = (req, c)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -261,8 +286,9 @@ class LLM:
         req = self._requests.pop(str(request_id), None)
         if req is None:
             return False
-        self._by_seq.pop(req.seq.seq_id, None)
-        self.scheduler.finish(req.seq, "abort")
+        for c in req.choices:
+            self._by_seq.pop(c.seq.seq_id, None)
+            self.scheduler.finish(c.seq, "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -280,33 +306,51 @@ class LLM:
         if not chunks:
             return []
         self._account_memory()
-        gens = {c.seq.seq_id: self._by_seq[c.seq.seq_id].generator for c in chunks if c.samples}
-        next_tokens = self.runner.execute(chunks, gens)
-        touched = self.scheduler.postprocess(chunks, next_tokens)
-        outs = []
+        gens = {}
+        for c in chunks:
+            if c.samples:
+                for s in (c.seq, *c.seq.forks):
+                    gens[s.seq_id] = self._by_seq[s.seq_id][1].generator
+        res = self.runner.execute(chunks, gens)
+        for sid, entries in res.prompt_logprobs.items():
+            req = self._by_seq[sid][0]
+            for pos, e in entries:
+                req.prompt_logprobs[pos] = e
+        forked = [s for c in chunks if c.samples and c.seq.forks for s in self._fork(c, res)]
+        touched = self.scheduler.postprocess(chunks, res.tokens) + forked
+        reqs: dict[str, EngineRequest] = {}
         for seq in touched:
-            req = self._by_seq[seq.seq_id]
-            self._append_text(req)
+            req, choice = self._by_seq[seq.seq_id]
+            choice.took_token(res.logprobs.get(seq.seq_id), self.scheduler.finish)
+            reqs[req.request_id] = req
+        outs = []
+        for req in reqs.values():
             outs.append(req.output())
-            if seq.is_finished:
+            if req.finished:
                 del self._requests[req.request_id]
-                del self._by_seq[seq.seq_id]
+                for c in req.choices:
+                    self._by_seq.pop(c.seq.seq_id, None)
         self._stats.steps += 1
         return outs
 
-    def _append_text(self, req: _Request) -> None:
-        seq = req.seq
-        tok = seq.token_ids[-1]
-        if seq.finish_reason == "stop" and tok in self.eos_token_ids and not req.params.ignore_eos:
-            req.text.close()  # the EOS token ends the text without being part of it
-            return
-        if req.text.add_token(tok):  # a stop string: the text ends before it
-            if seq.is_finished:
-                seq.finish_reason = "stop"  # the same token also reached max_tokens
-            else:
-                self.scheduler.finish(seq, "stop")
-        elif seq.is_finished:
-            req.text.close()
+    def _fork(self, c: ScheduledChunk, res: StepResult) -> list[Sequence]:
+        """n > 1: the prompt is done; every other choice takes its KV blocks and its first token."""
+        parent = c.seq
+        if parent.status is not SequenceStatus.RUNNING:
+            return []
+        parent.num_computed_tokens = c.start + c.length
+        children, parent.forks = parent.forks, []
+        if parent.max_tokens == 0:  # a prompt scored: no choice generates anything
+            for child in children:
+                self.scheduler.finish(child, "length")
+            return children
+        for child in children:
+            copies = self.block_manager.fork(parent, child)
+            if copies is not None:
+                self.runner.cache.copy_blocks(copies)
+            self.scheduler.adopt(child, parent, running=copies is not None)
+            self.scheduler.append_token(child, res.tokens[child.seq_id])
+        return children
 
     def _account_memory(self) -> None:
         allocated, used = self.block_manager.usage(self.scheduler.running)
@@ -376,6 +420,8 @@ class LLM:
         self._stats = EngineStats()
         self.runner.forward_passes = 0
         self._block_hits0 = self.block_manager.num_prefix_hit_blocks
+        if self._tp is not None:
+            self._tp.reset_stats()  # every rank's step and all-reduce counters
 
     @property
     def kv_cache_bytes(self) -> int:

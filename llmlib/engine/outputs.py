@@ -32,28 +32,87 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """One position's log-probabilities: the token there, its log-probability and rank (1 = the
+    most likely), and the ``k`` most likely tokens with theirs, best first. They are the
+    log-softmax of the model's raw logits (before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request (``n`` of them when ``SamplingParams.n > 1``, index 0 otherwise).
+
+    ``text``, ``token_ids`` and ``logprobs`` are cumulative; the ``delta_*`` fields are what the
+    last step added, for streaming. ``finish_reason`` is None while the choice runs, then
+    ``"stop"`` (EOS, a stop token or string, a complete structured output), ``"length"`` or
+    ``"abort"``; ``stop_reason`` is the stop string or stop token that ended it, if one did.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
     """One request's state as the engine reports it (after a step, or at the end).
 
-    ``text`` and ``token_ids`` are cumulative (``cumulative`` is True); ``delta_text`` and
-    ``delta_token_ids`` are what this step added, for streaming. ``finish_reason`` is None while
-    the request runs, then ``"stop"`` (EOS or a stop string), ``"length"`` or ``"abort"``.
+    ``outputs`` holds every choice (``outputs[i].index == i``); ``text``, ``token_ids``,
+    ``finish_reason`` and the deltas read the first one, which is all there is when ``n`` is 1.
+    ``prompt_logprobs`` (when asked for) has one entry per prompt token, None for the first.
+    ``finished`` once every choice has finished.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative: bool = True
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finished for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def delta_text(self) -> str:
+        return self.outputs[0].delta_text
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.outputs[0].delta_token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
 
 
 @dataclass

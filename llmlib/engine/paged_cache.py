@@ -89,6 +89,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (the copy-on-write of a forked sequence)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
     def step(self, rows: Seq[Seq[SeqChunk]]) -> PagedStep:
         """The cache view for one forward pass: ``rows[b]`` lists the sequence chunks in row ``b``."""
         return PagedStep(self, rows)

@@ -10,15 +10,18 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
 from llmlib.attention import AttendingCache
 from llmlib.engine.graphs import PagedDecodeGraphs
+from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
-from llmlib.engine.sequence import ScheduledChunk
+from llmlib.engine.sequence import ScheduledChunk, Sequence
 from llmlib.model import Transformer
 from llmlib.sampling import sample
+from llmlib.structured import allowed
 
 
 class ModelRunner:
@@ -71,10 +74,18 @@ class ModelRunner:
 
     def _forward(self, chunks: list[ScheduledChunk], select: list[int]) -> torch.Tensor:
         """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
-        step = self.cache.step([[SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]])
         ids: list[int] = []
         for c in chunks:
             ids += c.seq.token_ids[c.start : c.start + c.length]
+        seq_chunks = [SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]
+        return self.forward_packed(seq_chunks, ids, select)
+
+    def forward_packed(
+        self, chunks: list[SeqChunk], ids: list[int], select: list[int]
+    ) -> torch.Tensor:
+        """The forward pass itself, on block tables and token ids alone (what a tensor-parallel
+        worker, which has no sequences, runs too): logits [len(select), V] at ``select``."""
+        step = self.cache.step([chunks])
         self.forward_passes += 1
         ids_t = torch.tensor([ids], dtype=torch.long).to(self.device)
         sel = torch.as_tensor(select, dtype=torch.long).to(self.device)
@@ -85,47 +96,153 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: dict[int, torch.Generator | None]
-    ) -> dict[int, int]:
-        """Run one step's chunks; return ``{seq_id: sampled token}`` for chunks that reach their end.
+    ) -> StepResult:
+        """Run one step's chunks; sample a token for every chunk that reaches its sequence's end.
 
         Every chunk, prefill and decode alike, goes into one row: the weight-matrix products see
         all of the step's tokens at once (one pass over the weights per step), and the paged step
         computes attention sequence by sequence (:meth:`~llmlib.engine.paged_cache.PagedStep.attend`), so
-        packing costs nothing in attention. Prefill chunks first, then decode ones.
+        packing costs nothing in attention. Prefill chunks first, then decode ones. A sequence
+        that asked for prompt log-probabilities has the LM head run at every prompt position of
+        its chunk too.
         """
-        if self.graphs is not None and self.graphs.fits(chunks):
+        res = StepResult()
+        wants_prompt = any(_prompt_positions(c) for c in chunks)
+        if self.graphs is not None and not wants_prompt and self.graphs.fits(chunks):
             # every sequence decodes one token: the fixed-shape step (a CUDA graph replay on a GPU)
             self.forward_passes += 1
             logits = self.graphs.run(chunks, [c.seq.token_ids[c.start] for c in chunks])
             keep = [
                 i for i, c in enumerate(chunks) if c.samples
             ]  # a 1-token slice of a prompt samples nothing
-            return self._sample([chunks[i] for i in keep], logits[keep], generators)
+            self._sample([chunks[i] for i in keep], logits[keep], generators, res)
+            return res
         order = [c for c in chunks if c.length > 1] + [c for c in chunks if c.length == 1]
         ends, sampled, t = [], [], 0
+        prompt_rows: list[tuple[ScheduledChunk, list[int]]] = []
+        prompt_sel: list[int] = []
         for c in order:
+            if pos := _prompt_positions(c):
+                prompt_rows.append((c, pos))
+                prompt_sel += [t + p - c.start for p in pos]
             t += c.length
             if c.samples:  # sample at the last token of every chunk that completes its sequence
                 ends.append(t - 1)
                 sampled.append(c)
-        logits = self._forward(order, ends or [t - 1])  # a step of partial prompts samples nothing
-        return self._sample(sampled, logits, generators)
+        select = (ends or ([] if prompt_sel else [t - 1])) + prompt_sel
+        logits = self._forward(order, select)  # a step of partial prompts samples nothing
+        n_ends = len(ends)
+        self._sample(sampled, logits[:n_ends], generators, res)
+        row = n_ends if ends else (0 if prompt_sel else 1)
+        for c, pos in prompt_rows:
+            lp = logits[row : row + len(pos)].float().log_softmax(-1)
+            row += len(pos)
+            nxt = [c.seq.token_ids[p + 1] for p in pos]
+            entries = _logprob_entries(lp, nxt, c.seq.params.prompt_logprobs)
+            res.prompt_logprobs[c.seq.seq_id] = list(zip([p + 1 for p in pos], entries))
+        return res
 
     def _sample(
         self,
         sampled: list[ScheduledChunk],
         logits: torch.Tensor,
         generators: dict[int, torch.Generator | None],
-    ) -> dict[int, int]:
+        res: StepResult,
+    ) -> None:
         if not sampled:
-            return {}
-        logits = logits.float()
-        params = [c.seq.params for c in sampled]
-        gens = [generators.get(c.seq.seq_id) for c in sampled]
-        seen = (
-            [c.seq.token_ids for c in sampled]
-            if any(p.repetition_penalty != 1.0 for p in params)
-            else None
-        )
-        toks = sample(logits, params, gens, seen).tolist()
-        return {c.seq.seq_id: t for c, t in zip(sampled, toks)}
+            return
+        # n > 1: at the end of its prompt a sequence samples once for itself and once per fork,
+        # all from the same row of logits
+        seqs, rows = [], []
+        for i, c in enumerate(sampled):
+            group = [c.seq, *c.seq.forks] if c.seq.num_output_tokens == 0 else [c.seq]
+            seqs += group
+            rows += [i] * len(group)
+        raw = logits.float()
+        if len(rows) != len(sampled):
+            raw = raw[torch.tensor(rows, device=raw.device)]
+        params = [s.params for s in seqs]
+        logits = _constrain(raw, seqs)
+        penalized = any(p.penalized for p in params)
+        seen = [s.token_ids for s in seqs] if penalized else None
+        outs = [s.output_token_ids for s in seqs] if penalized else None
+        gens = [generators.get(s.seq_id) for s in seqs]
+        toks = sample(logits, params, gens, seen, outs).tolist()
+        res.tokens.update({s.seq_id: t for s, t in zip(seqs, toks)})
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = raw[torch.tensor(want, device=raw.device)].log_softmax(-1)
+            k = max(params[i].logprobs for i in want)
+            entries = _logprob_entries(lp, [toks[i] for i in want], k)
+            for i, e in zip(want, entries):
+                e.top = e.top[: params[i].logprobs]
+                res.logprobs[seqs[i].seq_id] = e
+
+
+@dataclass
+class StepResult:
+    """What one step produced: a token per sampling sequence (forks included), and the
+    log-probabilities asked for (``prompt_logprobs`` as ``(prompt position, entry)`` pairs)."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+
+
+def _prompt_positions(c: ScheduledChunk) -> list[int]:
+    """Positions of this chunk whose logits score a prompt token (when the sequence asks)."""
+    seq = c.seq
+    if seq.params is None or seq.params.prompt_logprobs is None:
+        return []
+    end = min(c.start + c.length, seq.num_prompt_tokens - 1)
+    return list(range(c.start, end))
+
+
+def _logprob_entries(lp: torch.Tensor, chosen: list[int], k: int) -> list[TokenLogprob]:
+    """Per row of log-probabilities [R, V]: the chosen token's, its rank, and the top ``k``."""
+    idx = torch.tensor(chosen, device=lp.device).unsqueeze(1)
+    picked = lp.gather(1, idx)
+    ranks = (lp > picked).sum(1) + 1
+    top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    out = []
+    for r, (t, v, rank) in enumerate(zip(chosen, picked[:, 0].tolist(), ranks.tolist())):
+        top = list(zip(top_i[r].tolist(), top_v[r].tolist()))
+        out.append(TokenLogprob(t, v, rank, top))
+    return out
+
+
+def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask what a sequence may not sample: its end tokens before ``min_tokens``, and whatever
+    its grammar forbids (structured output). A grammar that allows only end tokens wins."""
+    banned = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens
+    ]
+    matched = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if not banned and not matched:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[1]
+    if matched:
+        allow = allowed([seqs[i].matcher for i in matched], min(V, _vocab(seqs)), logits.device)
+        keep = torch.zeros(len(matched), V, dtype=torch.bool, device=logits.device)
+        keep[:, : allow.shape[1]] = allow
+        logits[matched] = logits[matched].masked_fill(~keep, float("-inf"))
+    for i in banned:
+        s = seqs[i]
+        ends = [
+            t
+            for t in (s.stop_token_ids | (s.eos_token_ids if not s.ignore_eos else set()))
+            if t < V
+        ]
+        if ends:
+            row = logits[i].clone()
+            row[ends] = float("-inf")
+            if torch.isfinite(row).any():
+                logits[i] = row
+    return logits
+
+
+def _vocab(seqs: list[Sequence]) -> int:
+    return min(s.matcher.vocab for s in seqs if s.matcher is not None)

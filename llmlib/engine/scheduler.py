@@ -159,12 +159,17 @@ class Scheduler:
             for seq in list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
+                if self.running and len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
+                    break  # an n > 1 request runs its n choices at once once it is done prefilling
                 try:
-                    plan = self.bm.plan(seq)
+                    plan = self.bm.plan(seq, use_cache=seq.use_prefix_cache)
                 except PrefixPending:
                     continue  # its prefix is being computed this very step: next step it hits
+                # a request that will fork needs a copied last block and room to grow per choice
+                grow = 1 + len(seq.forks)
                 reserve = max(
-                    self.watermark_blocks, self.headroom_blocks_per_seq * (len(self.running) + 1)
+                    self.watermark_blocks,
+                    self.headroom_blocks_per_seq * (len(self.running) + grow) + grow - 1,
                 )
                 if plan.blocks_needed + reserve > self.bm.num_free_blocks and self.running:
                     break
@@ -212,13 +217,30 @@ class Scheduler:
             self.bm.mark_computed(seq)
             if not c.samples:
                 continue
-            tok = next_tokens[seq.seq_id]
-            seq.token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.perf_counter()
             touched.append(seq)
-            if not seq.ignore_eos and tok in seq.eos_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            if seq.max_tokens == 0:  # a prompt scored, nothing generated (prompt_logprobs)
                 self.finish(seq, "length")
+                continue
+            self.append_token(seq, next_tokens[seq.seq_id])
         return touched
+
+    def append_token(self, seq: Sequence, tok: int) -> None:
+        """Give a sequence its next token, and end it on an end token or at its length limit."""
+        seq.token_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        if seq.ends_on(tok):
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def adopt(self, child: Sequence, parent: Sequence, running: bool) -> None:
+        """Queue a choice forked from ``parent``: running (it holds the parent's blocks) or, when
+        there was no block to copy into, first in line to be recomputed."""
+        child.status = SequenceStatus.RUNNING if running else SequenceStatus.WAITING
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.prompt_cached_tokens = parent.prompt_cached_tokens
+        if running:
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)

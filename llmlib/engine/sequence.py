@@ -51,6 +51,11 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt_cached_tokens: int = 0  # prefix-cache hits on the first admission (for metrics)
+    stop_token_ids: frozenset[int] = frozenset()  # end it like EOS, even under ignore_eos
+    use_prefix_cache: bool = True  # False when every prompt position's logits are wanted
+    # n > 1: the other choices, made when the prompt is done by forking its KV blocks
+    forks: list[Sequence] = field(default_factory=list)
+    matcher: Any = None  # structured output: the grammar position (llmlib.structured.Matcher)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -77,6 +82,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def ends_on(self, token: int) -> bool:
+        """Does sampling ``token`` end this sequence (EOS, unless ignored; or a stop token)?"""
+        return (not self.ignore_eos and token in self.eos_token_ids) or token in self.stop_token_ids
 
 
 @dataclass

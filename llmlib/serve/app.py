@@ -1,19 +1,24 @@
 """An OpenAI-compatible HTTP server on the batching engine (``llmlib serve``).
 
-Every request becomes one sequence in the engine of chapter 10; the engine's loop batches all of
-them into shared forward passes, and this module only translates: JSON in, validated
-:class:`~llmlib.sampling.SamplingParams` and token ids to the engine, tokens back out as one JSON
-body or as server-sent events (``data: {...}`` lines, then ``data: [DONE]``), the wire format the
-``openai`` client speaks.
+Every request becomes one sequence per choice in the engine of chapter 10; the engine's loop
+batches all of them into shared forward passes, and this module only translates: JSON in,
+validated against the pydantic models of :mod:`llmlib.serve.protocol`, turned into token ids and
+:class:`~llmlib.sampling.SamplingParams` by :mod:`llmlib.serve.prepare`, tokens back out as one
+JSON body or as server-sent events (``data: {...}`` lines, then ``data: [DONE]``), the wire format
+the ``openai`` client speaks (:mod:`llmlib.serve.render`).
 
 What a public endpoint has to get right, beyond the happy path:
 
 * it binds to 127.0.0.1 unless told otherwise: a model server is not something to expose by accident;
-* every request is bounded: prompt characters, prompt tokens against the context, ``max_tokens``
-  against what the context has left, ``n`` = 1; a bad request gets a 4xx with an OpenAI-style error
-  body naming the field, and nothing from a request is ever evaluated;
-* when too many requests are in flight it says 503 at once instead of queueing without limit;
+* every request is bounded (prompt characters and tokens, ``max_tokens`` against what the context
+  has left, choices, stop strings, log-probabilities, logit biases, the body's size); a bad request
+  gets a 4xx with an OpenAI-style error body naming the field, a body nested too deep to parse a
+  400, and nothing from a request is ever evaluated;
+* when the engine's queue is full it says 503 at once instead of queueing without limit;
 * a client that goes away mid-stream has its request aborted, so its KV blocks return to the pool.
+
+Besides ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` it serves what clients
+probe: ``/health``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/metrics`` (Prometheus).
 """
 
 from __future__ import annotations
@@ -26,68 +31,69 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmlib.serve.client import Delta, EngineClient, _aclose
+import llmlib.serve.prepare as prepare
+from llmlib.engine import AsyncLLM, RequestOutput
+from llmlib.serve.client import EngineClient, aclose, merged
+from llmlib.serve.metrics import CONTENT_TYPE, ServerMetrics
 from llmlib.serve.protocol import (
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
     Limits,
-    ParsedRequest,
-    QueueFullError,
-    RequestParser,
-    _bad,
+    TokenizeRequest,
+    bad,
+    error_from_validation,
 )
+from llmlib.serve.render import ChunkWriter, completion_body
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
 
-# ---- the app --------------------------------------------------------------------------------------
-
-
 def create_app(
-    engine: Any,
+    engine: AsyncLLM,
     model_name: str,
     *,
-    tokenizer: Any = None,
-    context_len: int | None = None,
     limits: Limits | None = None,
-    max_queue: int | None = None,
     aliases: tuple[str, ...] = (),
-) -> Any:
-    """A FastAPI app serving ``engine`` under the model id ``model_name``.
+) -> FastAPI:
+    """A FastAPI app serving ``engine`` under the model id ``model_name`` (and ``aliases``).
 
-    ``engine`` is an :class:`llmlib.engine.AsyncLLM` (or an :class:`EngineClient`). Tests build the app
-    around a small random-weight model; ``llmlib serve`` around SmolLM2.
+    Tests build the app around a small random-weight model; ``llmlib serve`` around SmolLM2. The
+    one bound on requests in flight is the engine's ``max_queue``.
     """
-
-    client = (
-        engine if isinstance(engine, EngineClient) else EngineClient(engine, tokenizer, context_len)
-    )
+    client = EngineClient(engine)
     limits = limits or Limits()
-    if max_queue is not None:
-        limits.max_queue = max_queue
-    parser = RequestParser(client, {model_name, *aliases}, limits)
+    served = {model_name, *aliases}
+    metrics = ServerMetrics(engine, model_name)
     app = FastAPI(
         title="llmlib", description="An OpenAI-compatible server on llmlib's batching engine"
     )
-    app.state.client, app.state.limits = client, limits
-    app.state.in_flight = 0
+    app.state.client, app.state.limits, app.state.metrics = client, limits, metrics
     created = int(time.time())
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    app.add_middleware(_BodyLimit, limit=limits.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(error_from_validation(list(exc.errors())))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(
-            APIError(
-                exc.status_code,
-                str(exc.detail),
-                code="not_found" if exc.status_code == 404 else None,
-            )
-        )
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error(exc)
 
     @app.exception_handler(Exception)
     async def any_error(request: Request, exc: Exception) -> JSONResponse:  # never a bare traceback
@@ -95,13 +101,13 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Any:
-        thread = getattr(client.engine, "_thread", None)  # AsyncLLM's stepping thread, once started
+        thread = engine._thread  # the stepping thread, once started
         if thread is not None and not thread.is_alive():
             return error(APIError(503, "the engine's thread has stopped", code="engine_stopped"))
-        failure = getattr(client.engine, "error", None)  # the last exception a step raised, if any
+        failure = engine.error  # the last exception a step raised, if any
         return {
             "status": "ok",
-            "in_flight": app.state.in_flight,
+            "in_flight": engine.num_in_flight,
             "last_engine_error": None if failure is None else repr(failure),
         }
 
@@ -121,231 +127,190 @@ def create_app(
             ],
         }
 
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > 16 * limits.max_prompt_chars + 65_536:
-            raise APIError(
-                413, f"the request body is {len(raw)} bytes; too large", code="body_too_large"
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        prepare.check_model(body.model, served, required=False)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            text = prepare.chat_prompt(client, limits, body.messages, body.add_generation_prompt)
+            ids = client.encode(text, allow_special=True)
+        else:
+            if len(body.prompt) > limits.max_prompt_chars:
+                raise bad("'prompt' is too long", "prompt", "prompt_too_long")
+            ids = (client.bos() if body.add_special_tokens else []) + client.encode(
+                body.prompt, allow_special=True
             )
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from e
+        strs = [client.token_str(t) for t in ids] if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": client.context_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
-    async def handle(request: Request, chat: bool) -> Any:
-        try:
-            body = await read_json(request)
-            req = parser.chat(body) if chat else parser.completion(body)
-        except APIError as e:
-            return error(e)
-        if app.state.in_flight >= limits.max_queue:
-            return error(
-                APIError(
-                    503,
-                    f"the server is at capacity ({limits.max_queue} requests in flight); "
-                    "retry later",
-                    code="queue_full",
-                    type_="server_overloaded",
-                )
-            )
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        app.state.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                app.state.in_flight -= 1
-
-        try:
-            if req.stream:
-                # Pull the first event before answering, so an engine that refuses the request
-                # (queue full) still gets a proper status code instead of a broken stream.
-                events = client.stream(req.prompt_ids, req.params, rid).__aiter__()
-                try:
-                    first = await events.__anext__()
-                except StopAsyncIteration:
-                    first = Delta("", 0, "stop")
-                body_iter = _sse(rid, model_name, req, first, events, release)
-
-                async def on_close() -> None:
-                    await _aclose(body_iter)  # runs _sse's finally if it started ...
-                    await _aclose(events)  # ... and aborts the request even if it never did
-                    release()
-
-                return _SSEResponse(body_iter, on_close)
-            return await _complete_watching(request, rid, model_name, req, client, release)
-        except QueueFullError as e:
-            release()
-            return error(
-                APIError(
-                    503,
-                    f"the engine's queue is full: {e}",
-                    code="queue_full",
-                    type_="server_overloaded",
-                )
-            )
-        except APIError as e:
-            release()
-            return error(e)
-        except Exception:
-            release()
-            raise
-        finally:
-            if not req.stream:
-                release()
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        prepare.check_model(body.model, served, required=False)
+        if any(not 0 <= t < client.vocab_size for t in body.tokens):
+            raise bad(f"'tokens' must lie in 0..{client.vocab_size - 1}", "tokens")
+        return {"prompt": client.decode(body.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await handle(request, chat=False)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        prepare.check_model(body.model, served)
+        return await run(request, prepare.completion(client, limits, body), "cmpl-")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await handle(request, chat=True)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        prepare.check_model(body.model, served)
+        return await run(request, prepare.chat(client, limits, body), "chatcmpl-")
+
+    async def run(request: Request, prep: prepare.Prepared, prefix: str) -> Any:
+        rid = prefix + uuid.uuid4().hex[:24]
+        streams = []
+        try:
+            for i, ids in enumerate(prep.prompts):
+                streams.append(client.submit(ids, prep.params, f"{rid}-{i}"))
+        except APIError:
+            for s in streams:
+                s.abort()
+            raise
+        events = merged(streams)
+        t0 = time.perf_counter()
+        if prep.stream:
+            body = _sse(ChunkWriter(client, rid, model_name, prep), prep, events, metrics, t0)
+            return _SSEResponse(body, events, streams)
+        try:
+            return await _complete_watching(
+                request, rid, model_name, prep, client, events, metrics, t0
+            )
+        finally:
+            for s in streams:
+                s.abort()
 
     return app
 
 
-def _sse_response_class() -> Any:
+class _TooLarge(Exception):
+    pass
+
+
+class _BodyLimit:
+    """Refuse a body over ``limit`` bytes: at once from its Content-Length (413), or while it
+    streams in without one (the read fails, and FastAPI answers 400)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.limit:
+            e = APIError(
+                413, f"the request body is {int(size)} bytes; too large", code="body_too_large"
+            )
+            return await JSONResponse(e.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def bounded() -> Any:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b"")) if msg["type"] == "http.request" else 0
+            if seen > self.limit:
+                while msg["type"] == "http.request" and msg.get("more_body", False):
+                    msg = await receive()  # dropped unread, so the client gets its answer
+                raise _TooLarge(f"the request body is over {self.limit} bytes")
+            return msg
+
+        await self.app(scope, bounded, send)
+
+
+def _line(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _sse(
+    writer: ChunkWriter,
+    prep: prepare.Prepared,
+    events: AsyncIterator[tuple[int, RequestOutput]],
+    metrics: ServerMetrics,
+    t0: float,
+) -> AsyncIterator[bytes]:
+    """The server-sent event stream. If the client disconnects, Starlette cancels this generator
+    (or the next write fails); either way ``finally`` closes the engine streams, which aborts them."""
+    finished: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    states = [{"t0": t0} for _ in prep.prompts]
+    try:
+        for c in writer.first():
+            yield _line(c)
+        async for p, out in events:
+            metrics.observe(out, time.perf_counter(), states[p])
+            for c in writer.step(p, out, finished):
+                yield _line(c)
+            if out.finished:
+                finals[p] = out
+        if prep.include_usage:
+            from llmlib.serve.render import usage
+
+            done = [finals[p] for p in sorted(finals)]
+            yield _line(writer.chunk([], usage=usage(prep, done)))
+        yield b"data: [DONE]\n\n"
+    except Exception as e:
+        yield _line(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
+        yield b"data: [DONE]\n\n"
+    finally:
+        await aclose(events)
+
+
+def _SSEResponse(content: Any, events: Any, streams: list[Any]) -> Any:
+    """A streaming response that always cleans up: whether the stream ends, the client leaves
+    before the first byte, or the task is cancelled, the engine streams are closed."""
     from starlette.responses import StreamingResponse
 
     class SSEResponse(StreamingResponse):
-        """A streaming response that always cleans up: whether the stream ends, the client leaves
-        before the first byte, or the task is cancelled, ``on_close`` runs."""
-
-        def __init__(self, content: Any, on_close: Any):
-            super().__init__(
-                content,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-            self._on_close = on_close
-
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                await self._on_close()
+                await aclose(content)  # runs _sse's finally if it started ...
+                await aclose(events)
+                for s in streams:  # ... and abort the requests even if it never did
+                    s.abort()
 
-    return SSEResponse
-
-
-def _SSEResponse(content: Any, on_close: Any) -> Any:
-    global _SSE_CLASS
-    if _SSE_CLASS is None:
-        _SSE_CLASS = _sse_response_class()
-    return _SSE_CLASS(content, on_close)
-
-
-_SSE_CLASS: Any = None
-
-
-def _usage(req: ParsedRequest, n: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": n,
-        "total_tokens": len(req.prompt_ids) + n,
-    }
-
-
-def _chunk(
-    rid: str,
-    model: str,
-    req: ParsedRequest,
-    text: str | None,
-    reason: str | None,
-    first: bool = False,
-) -> dict:
-    base = {"id": rid, "created": int(time.time()), "model": model}
-    if req.chat:
-        delta: dict[str, Any] = {}
-        if first:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        return {
-            **base,
-            "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
-        }
-    return {
-        **base,
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}],
-    }
-
-
-async def _sse(
-    rid: str,
-    model: str,
-    req: ParsedRequest,
-    first: Delta,
-    events: AsyncIterator[Delta],
-    release: Any,
-) -> AsyncIterator[bytes]:
-    """The server-sent event stream. If the client disconnects, Starlette cancels this generator (or
-    the next write fails); either way ``finally`` closes the engine stream, which aborts the request."""
-
-    def line(obj: dict) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-    n = 0
-    try:
-        if req.chat:
-            yield line(_chunk(rid, model, req, "", None, first=True))
-        d: Delta | None = first
-        while d is not None:
-            n += d.n_tokens
-            if d.text or d.finish_reason is None:
-                yield line(_chunk(rid, model, req, d.text, None))
-            if d.finish_reason is not None:
-                reason = "stop" if d.finish_reason == "abort" else d.finish_reason
-                yield line(_chunk(rid, model, req, None if req.chat else "", reason))
-                break
-            try:
-                d = await events.__anext__()
-            except StopAsyncIteration:
-                yield line(_chunk(rid, model, req, None if req.chat else "", "stop"))
-                break
-        if req.include_usage:
-            yield line(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk" if req.chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(req, n),
-                }
-            )
-        yield b"data: [DONE]\n\n"
-    except Exception as e:
-        yield line(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
-        yield b"data: [DONE]\n\n"
-    finally:
-        await _aclose(events)
-        release()
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return SSEResponse(content, media_type="text/event-stream", headers=headers)
 
 
 async def _complete_watching(
-    request: Any, rid: str, model: str, req: ParsedRequest, client: EngineClient, release: Any
+    request: Request,
+    rid: str,
+    model: str,
+    prep: prepare.Prepared,
+    client: EngineClient,
+    events: AsyncIterator[tuple[int, RequestOutput]],
+    metrics: ServerMetrics,
+    t0: float,
 ) -> Any:
-    """Run a non-streaming request to the end, but abort it if the client hangs up meanwhile."""
+    """Run a request that is not streamed to the end, but abort it if the client hangs up."""
 
-    async def collect() -> tuple[str, int, str]:
-        parts, n, reason = [], 0, "stop"
-        events = client.stream(req.prompt_ids, req.params, rid)
+    async def collect() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        states = [{"t0": t0} for _ in prep.prompts]
         try:
-            async for d in events:
-                parts.append(d.text)
-                n += d.n_tokens
-                if d.finish_reason is not None:
-                    reason = d.finish_reason
-                    break
+            async for p, out in events:
+                metrics.observe(out, time.perf_counter(), states[p])
+                if out.finished:
+                    finals[p] = out
         finally:
-            await _aclose(events)
-        return "".join(parts), n, reason
+            await aclose(events)
+        return [finals[p] for p in range(len(prep.prompts))]
 
     async def disconnected() -> None:
         while True:
@@ -360,36 +325,10 @@ async def _complete_watching(
     finally:
         watch.cancel()
     if work not in done:
-        work.cancel()  # the client left: closing the stream aborts the request and frees its blocks
+        work.cancel()  # the client left: closing the streams aborts the requests
         try:
             await work
         except (asyncio.CancelledError, Exception):
             pass
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    text, n, reason = work.result()
-    if reason == "abort":
-        reason = "stop"
-    body: dict[str, Any] = {
-        "id": rid,
-        "created": int(time.time()),
-        "model": model,
-        "usage": _usage(req, n),
-    }
-    if req.chat:
-        body.update(
-            object="chat.completion",
-            choices=[
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                }
-            ],
-        )
-    else:
-        body.update(
-            object="text_completion",
-            choices=[{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-        )
-    return JSONResponse(body)
+    return JSONResponse(completion_body(client, rid, model, prep, work.result()))

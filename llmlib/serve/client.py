@@ -1,137 +1,121 @@
-"""The engine as the server sees it: a tokenizer, a context length, and an async stream per request.
+"""The engine as the server sees it: :class:`llmlib.engine.AsyncLLM`, through a narrow interface.
 
-:class:`EngineClient` adapts :class:`llmlib.engine.AsyncLLM` (or anything with the same
-``stream``/``abort``) and normalises what it yields into :class:`Delta`\\ s; closing a stream
-aborts its request, so a client that leaves frees its KV blocks.
+:class:`EngineClient` gives the server the tokenizer, the context length, schema checks and one
+stream of :class:`~llmlib.engine.RequestOutput`\\ s per request; the engine's refusals become
+the server's errors (:class:`~llmlib.engine.QueueFull` the 503, a ValueError at submission a 400).
+Aborting a stream (:func:`merged` does when it is closed) frees the request's KV blocks, so a
+client that leaves stops costing anything.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+from llmlib.engine import AsyncLLM, QueueFull, RequestOutput, RequestStream
 from llmlib.sampling import SamplingParams
-from llmlib.serve.protocol import QueueFullError, _bad
-
-# ---- the engine as the server sees it ------------------------------------------------------------
+from llmlib.serve.protocol import APIError, bad
 
 
-@dataclass
-class Delta:
-    """What one engine step produced for one request: new text, new token count, and why it ended."""
-
-    text: str
-    n_tokens: int
-    finish_reason: str | None = None
+def queue_full(e: Exception) -> APIError:
+    return APIError(
+        503, f"the engine's queue is full: {e}", code="queue_full", type_="server_overloaded"
+    )
 
 
 class EngineClient:
-    """The server's view of the engine: tokenizer, context length, and an async stream per request.
+    """The server's view of an :class:`AsyncLLM`."""
 
-    It adapts :class:`llmlib.engine.AsyncLLM` (or anything with the same ``stream``/``abort``) and
-    normalises what the engine yields into :class:`Delta`\\ s. Subclass it to serve something else
-    (the tests do, to hold a request open).
-    """
-
-    def __init__(self, engine: Any, tokenizer: Any = None, context_len: int | None = None):
-        self.engine = engine
-        self.tokenizer = tokenizer if tokenizer is not None else _find(engine, "tokenizer", "tok")
-        if self.tokenizer is None:
-            raise ValueError("EngineClient: the engine exposes no tokenizer; pass tokenizer=")
-        if context_len is None:
-            context_len = _find(engine, "max_model_len", "context_len", "max_seq_len")
-            if context_len is None:
-                model = _find(engine, "model")
-                context_len = getattr(getattr(model, "config", None), "max_seq_len", None)
-        if not isinstance(context_len, int) or context_len < 2:
-            raise ValueError(
-                f"EngineClient: cannot tell the context length (got {context_len!r}); pass context_len="
+    def __init__(self, engine: AsyncLLM):
+        if not isinstance(engine, AsyncLLM):
+            raise TypeError(
+                f"EngineClient serves an llmlib.engine.AsyncLLM, got {type(engine).__name__}"
             )
-        self.context_len = context_len
+        if engine.tokenizer is None:
+            raise ValueError("EngineClient: the engine has no tokenizer; give AsyncLLM one")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.context_len = engine.max_model_len
+        self.vocab_size = min(engine.llm.config.vocab_size, self.tokenizer.vocab_size)
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in it count as such only when allowed
+        (otherwise one is a ValueError)."""
         if allow_special:
             return list(self.tokenizer.encode(text, allowed_special="all"))
         return list(self.tokenizer.encode(text))
 
-    async def stream(
+    def bos(self) -> list[int]:
+        """The BOS a raw prompt starts with, if the tokenizer asks for one."""
+        tok = self.tokenizer
+        return [tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text (a piece of a multi-byte character shows as U+FFFD)."""
+        return self.tokenizer.id_to_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.tokenizer.id_to_bytes(token_id))
+
+    def check_schema(self, schema: dict) -> None:
+        """Compile a JSON schema for structured output now (ValueError saying why it cannot be)."""
+        self.engine.llm.grammars().grammar(schema)
+
+    def in_flight(self) -> int:
+        return self.engine.num_in_flight
+
+    def submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[Delta]:
-        """Yield :class:`Delta`\\ s until the request finishes. Closing the iterator aborts the request."""
-        sent_text, sent_tokens = "", 0
-        agen = self.engine.stream(prompt_ids, params, request_id=request_id)
+    ) -> RequestStream:
+        """Queue a request now; iterate the result for its outputs, ``abort()`` it to cancel.
+
+        Raises :class:`APIError`: 503 when the engine's queue is full, 400 when the engine
+        refuses the request."""
         try:
-            while True:
-                try:
-                    out = await agen.__anext__()
-                except StopAsyncIteration:
-                    return
-                except Exception as e:
-                    if type(e).__name__ == "QueueFull":  # llmlib.engine.QueueFull, at submission
-                        raise QueueFullError(str(e)) from e
-                    if isinstance(e, (ValueError, TypeError)) and sent_tokens == 0:
-                        raise _bad(f"the engine refused the request: {e}") from e
-                    raise
-                if hasattr(
-                    out, "delta_token_ids"
-                ):  # llmlib.engine.RequestOutput carries the step's delta
-                    delta_text, delta_n = out.delta_text, len(out.delta_token_ids)
-                    reason = out.finish_reason
-                else:  # anything reporting cumulative text and ids
-                    text, n, reason = _read_output(out)
-                    delta_text, delta_n = text[len(sent_text) :], n - sent_tokens
-                    sent_text = text
-                sent_tokens += delta_n
-                yield Delta(delta_text, delta_n, _finish_reason(reason))
-                if reason is not None:
-                    return
+            return self.engine.submit(prompt_ids, params, request_id=request_id)
+        except QueueFull as e:
+            raise queue_full(e) from e
+        except (ValueError, TypeError) as e:
+            raise bad(f"the engine refused the request: {e}") from e
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(i, output)`` from several requests' streams as they come; closing it aborts them all."""
+    if len(streams) == 1:  # the usual case: no task per output
+        try:
+            async for out in streams[0]:
+                yield 0, out
         finally:
-            await _aclose(agen)
-            self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        abort = getattr(self.engine, "abort", None)
-        if abort is not None:
-            try:
-                abort(request_id)
-            except (KeyError, ValueError):
-                pass  # already finished: nothing to free
-
-
-def _find(obj: Any, *names: str) -> Any:
-    for n in names:
-        v = getattr(obj, n, None)
-        if v is not None:
-            return v
-    inner = getattr(obj, "llm", None) or getattr(obj, "engine", None)
-    if inner is not None and inner is not obj:
-        for n in names:
-            v = getattr(inner, n, None)
-            if v is not None:
-                return v
-    return None
+            streams[0].abort()
+        return
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, s in enumerate(streams):
+            pending[asyncio.ensure_future(s.__anext__())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for f in done:
+                i = pending.pop(f)
+                try:
+                    out = f.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for f in pending:
+            f.cancel()
+        for s in streams:
+            s.abort()
 
 
-def _read_output(out: Any) -> tuple[str, int, str | None]:
-    if isinstance(out, Delta):
-        return out.text, out.n_tokens, out.finish_reason
-    text = getattr(out, "text", "")
-    ids = getattr(out, "token_ids", None)
-    n = len(ids) if ids is not None else int(getattr(out, "n_tokens", 0))
-    reason = getattr(out, "finish_reason", None)
-    return text or "", n, reason
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    if reason is None:
-        return None
-    return {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}.get(
-        str(reason), str(reason)
-    )
-
-
-async def _aclose(agen: Any) -> None:
+async def aclose(agen: Any) -> None:
+    """Close an async generator, ignoring what it raises on the way out."""
     close = getattr(agen, "aclose", None)
     if close is not None:
         try:

@@ -68,10 +68,12 @@ def build_engine(
     device: str | None = None,
     dtype: str | None = None,
     quantization: str | None = None,
+    max_queue: int = 1024,
     **engine_kwargs: Any,
 ):
-    """Load a model into the async batching engine: ``(engine, model_id)``. With neither a dtype
-    nor a quantization, the machine's fastest accurate format (:func:`llmlib.device.choose_format`)."""
+    """Load a model into the async batching engine: ``(engine, model_id)``. ``max_queue`` is the
+    one bound on requests in flight (one more gets a 503). With neither a dtype nor a
+    quantization, the machine's fastest accurate format (:func:`llmlib.device.choose_format`)."""
     from pathlib import Path
 
     from llmlib.checkpoints import resolve_model_path
@@ -85,7 +87,9 @@ def build_engine(
     )
     if quantization is not None:
         engine_kwargs["quantization"] = quantization
-    engine = _make_async_engine(path, place.device, place.dtype, **engine_kwargs)
+    engine = _make_async_engine(
+        path, place.device, place.dtype, max_queue=max_queue, **engine_kwargs
+    )
     return engine, Path(path).stem if Path(path).is_file() else Path(path).name
 
 
@@ -111,7 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     ap.add_argument(
-        "--max-queue", type=int, default=64, help="requests in flight before new ones get 503"
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests in the engine (running and waiting) before new ones get 503",
+    )
+    ap.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices per request")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per engine step"
+    )
+    ap.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps (--no-enable-chunked-prefill: whole, alone if must)",
     )
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     ap.add_argument(
@@ -137,10 +155,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy, shared CPU)",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks (started here, or by torchrun: every rank runs this)",
+    )
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1:
+        from llmlib.parallel.group import DistEnv
+
+        env = DistEnv.from_env()
+        if env is not None and env.rank != 0:  # under torchrun: only rank 0 serves HTTP
+            from llmlib.parallel.worker import main as worker_main
+
+            return worker_main()
     if args.max_queue < 1:
         ap.error("--max-queue must be at least 1")
+    if args.max_n < 1 or args.max_num_seqs < 1:
+        ap.error("--max-n and --max-num-seqs must be at least 1")
     if args.threads is not None:
         if args.threads < 1:
             ap.error("--threads must be at least 1")
@@ -154,12 +188,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     import uvicorn
 
-    engine, name = build_engine(args.model, args.device, args.dtype, args.quantization)
+    engine, name = build_engine(
+        args.model,
+        args.device,
+        args.dtype,
+        args.quantization,
+        max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     name = args.served_model_name or name
     app = create_app(
-        engine,
+        engine.start(),
         name,
-        limits=Limits(max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue),
+        limits=Limits(max_prompt_chars=args.max_prompt_chars, max_n=args.max_n),
     )
     print(f"llmlib serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
