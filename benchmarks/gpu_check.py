@@ -16,6 +16,8 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
 4. ``llama8b_batch1``: a Llama-3.1-8B-shaped model with random bfloat16 weights at batch 1: tokens/s
    and model bandwidth utilisation (bytes a decode step must read, from ``llmlib.roofline``, over the
    measured time) against the measured copy bandwidth and the datasheet. Goal: at least 70%.
+4b. ``llama8b_formats``: the same shape in bfloat16, weight-only int8 and int4 (group 32): tokens/s,
+   the bytes a step reads as stored, and that traffic against the measured copy bandwidth.
 5. ``engine_throughput``: the batching engine on 256 requests, prompt and output lengths uniform in
    100..1024 (EOS ignored), random weights of the chosen shape.
 6. ``tensor_parallel``: the engine split over ``--tp`` GPUs with NCCL (skipped on a one-GPU
@@ -430,6 +432,64 @@ class Check:
         del model
         return res
 
+    # 4b
+    def llama8b_formats(self) -> dict:
+        """The same 8B shape at batch 1 in bfloat16, int8 and int4 (weight-only, group 32): decode
+        tokens/s and the bytes each step reads as stored, against the measured copy bandwidth."""
+        from llmlib.bench.formats import weight_bytes
+        from llmlib.quantize import quantize_model
+
+        dev = self.place.device
+        if self.dry:
+            cfg = TINY_UNTIED.replace(name="tiny-2layer-untied (8B stand-in)")
+            p_len, n_new, reps = 8, 16, 2
+        else:
+            cfg = get_config("llama-3.1-8b")
+            p_len, n_new, reps = self.args.prompt_len, self.args.new_tokens, self.args.reps
+            cfg = cfg.replace(max_seq_len=max(4096, p_len + n_new))
+        bw = getattr(self, "copy_bw", None) or statistics.median(
+            measure_bandwidth(dev, nbytes=(64 << 20) if self.dry else (4 << 30), kind="copy")
+        )
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, cfg.vocab_size, (1, p_len), generator=g).to(dev)
+        rows: dict[str, dict] = {}
+        first_tokens = None
+        for fmt in ("bfloat16", "int8", "int4"):
+            model = random_model(cfg, dev, torch.bfloat16)
+            if fmt != "bfloat16":
+                quantize_model(model, fmt, group_size=32)
+            if self.place.is_cuda:
+                torch.cuda.synchronize()
+            r = time_llmlib_decode(model, prompt, n_new, use_graphs=self.place.is_cuda, reps=reps)
+            kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (p_len + n_new // 2) * 2
+            nbytes = weight_bytes(model) + kv
+            t = r["decode_s_per_token"]
+            first_tokens = first_tokens or r["tokens"]
+            rows[fmt] = {
+                "tok_s": r["decode_tok_s"],
+                "ms_per_token": 1e3 * t,
+                "bytes_per_decode_step": nbytes,
+                "achieved_GBps": nbytes / t / 1e9,
+                "mbu_vs_copy": nbytes / t / bw,
+                "graphs": r["graphs"],
+                "weight_format": getattr(model, "weight_format", fmt),
+            }
+            del model
+            if self.place.is_cuda:
+                torch.cuda.empty_cache()
+        base = rows["bfloat16"]["tok_s"]
+        for r in rows.values():
+            r["vs_bfloat16"] = r["tok_s"] / base
+        return {
+            "model": cfg.name,
+            "weights": "random",
+            "batch": 1,
+            "prompt_tokens": p_len,
+            "new_tokens": n_new,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "formats": rows,
+        }
+
     # 5
     def engine(self) -> dict:
         from llmlib.engine import LLM
@@ -619,6 +679,7 @@ class Check:
         self.section("copy_bandwidth", self.bandwidth)
         self.section("smollm2_batch1", self.smollm2)
         self.section("llama8b_batch1", self.llama8b)
+        self.section("llama8b_formats", self.llama8b_formats)
         self.section("engine_throughput", self.engine)
         self.section("tensor_parallel", self.tensor_parallel)
         ok = all(s.get("ok") for s in self.report["sections"].values())

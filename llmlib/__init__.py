@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "LLM": "llmlib.engine",
     "AsyncLLM": "llmlib.engine",
     "SamplingParams": "llmlib.sampling",
+    "perplexity": "llmlib.perplexity",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

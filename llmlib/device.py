@@ -3,8 +3,10 @@
 The CPU path and the GPU path are the same code; what differs is where the tensors live and
 which floating-point format they use. On a CUDA GPU we want bfloat16: it halves the bytes every
 decode step has to read (decode is bound by memory bandwidth, chapter 9) and keeps float32's
-exponent range, so nothing overflows. On a CPU, float32: most CPUs have no fast bfloat16 matrix
-units, and converting back and forth costs more than it saves.
+exponent range, so nothing overflows. On a CPU, float32 unless the CPU multiplies bfloat16 in
+hardware (:func:`native_bf16`): most have no bfloat16 units, and converting back and forth costs
+more than it saves. The user-facing entry points pick the whole format with
+:func:`choose_format`.
 
 Timing a GPU is a trap: kernels are queued asynchronously, so a wall clock read right after a
 call measures the queueing, not the work. :class:`Timer` synchronises (or uses CUDA events) so
@@ -53,13 +55,75 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
-def pick_dtype(device: str | torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
+def pick_dtype(
+    device: str | torch.device,
+    dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
+) -> torch.dtype:
     """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted
-    (:mod:`llmlib.dtypes` is the one table of names)."""
+    (:mod:`llmlib.dtypes` is the one table of names).
+
+    With a weight-only ``quantization`` the dtype is the activations': bfloat16 on CUDA and on a
+    CPU with native bfloat16 (the CPU int8/int4 kernels are made for it), float32 elsewhere.
+    """
     dev = torch.device(device)
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if dev.type == "cuda" or (quantization and dev.type == "cpu" and native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     return torch_dtype(dtype)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16): the condition
+    under which bfloat16 and the weight-only kernels beat float32 here (chapter 9 measures it)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+#: What ``llmlib generate/chat`` (one request, batch-1 decode) and ``LLM()``/``llmlib serve``
+#: (batched) run when neither a dtype nor a quantization is asked for, on a CPU with native
+#: bfloat16: the first that applies to the file, in this order. Fastest first among the formats
+#: whose perplexity stays within 1% of float32 on the book's text, as measured here by
+#: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
+#: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
+#: the recorded runs in results/. Batches favour bfloat16: AMX multiplies many rows of a
+#: bfloat16 matrix fast, while the weight-only kernels are made for one row.
+AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "decode": (("bfloat16", "gguf"), ("bfloat16", "int8")),
+    "batched": (("bfloat16", None),),
+}
+
+
+def choose_format(
+    device: str | torch.device | None,
+    dtype: str | torch.dtype | None,
+    quantization: str | None,
+    gguf_blocks: bool = False,
+    batched: bool = False,
+) -> tuple[Placement, str | None]:
+    """The placement and quantization a user-facing entry point runs: what was asked, or, when
+    neither was, the fastest accurate format for this machine (:data:`AUTO_CPU_FORMATS` on a CPU
+    with native bfloat16, for one request or for ``batched`` ones; float32 on other CPUs;
+    bfloat16 on CUDA). ``gguf_blocks``: whether the file holds GGUF blocks that ``"gguf"`` can
+    repack."""
+    dev = pick_device(device)
+    if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
+        for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
+            if q != "gguf" or gguf_blocks:
+                return Placement(dev, torch_dtype(d)), q
+    return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization
 
 
 @dataclass(frozen=True)
@@ -78,11 +142,14 @@ class Placement:
 
 
 def choose(
-    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
 ) -> Placement:
-    """Resolve a (device, dtype) request into a :class:`Placement` (defaults: CUDA+bf16, else CPU+fp32)."""
+    """Resolve a (device, dtype) request into a :class:`Placement` (defaults: CUDA+bf16, else CPU+fp32;
+    with a weight-only quantization, see :func:`pick_dtype`)."""
     dev = pick_device(device)
-    return Placement(dev, pick_dtype(dev, dtype))
+    return Placement(dev, pick_dtype(dev, dtype, quantization))
 
 
 def synchronize(device: str | torch.device | None = None) -> None:

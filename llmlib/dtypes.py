@@ -82,6 +82,16 @@ def torch_dtype(name: Any) -> Any:
     return getattr(torch, fmt.name)
 
 
+#: The weight-only quantizations a loader accepts (:mod:`llmlib.quantize`).
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4", "gguf")
+
+
+def int4_bytes_per_weight(group_size: int, constant_bytes: float = 2.0) -> float:
+    """Bytes per weight of group-wise int4: half a byte, plus a scale and a zero point of
+    ``constant_bytes`` each per ``group_size`` weights (g32 in bfloat16: 0.625, like Q4_1)."""
+    return 0.5 + 2 * constant_bytes / group_size
+
+
 #: Every name :func:`number_format` accepts, and those of the float formats.
 NAMES: tuple[str, ...] = tuple(sorted(_BY_ALIAS))
 FLOAT_NAMES: tuple[str, ...] = tuple(k for k in NAMES if _BY_ALIAS[k].is_float)

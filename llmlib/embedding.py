@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.linear import linear
+from llmlib.linear import embedding_rows, linear
 
 
 class TokenEmbedding(nn.Module):
@@ -40,7 +40,7 @@ class TokenEmbedding(nn.Module):
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.weight)
+        x = embedding_rows(ids, self.weight)  # a quantized tied table reads its own rows
         if self.scale is not None:
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         return x

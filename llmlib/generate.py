@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from llmlib.cuda_graphs import StaticKVCache
 from llmlib.kv_cache import KVCache
 from llmlib.linear import use_matvec_layout
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
@@ -92,13 +93,19 @@ class Generator:
         tokenizer: Any,
         max_len: int | None = None,
         decode_layout: bool | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        if decode_layout if decode_layout is not None else self.device.type == "cpu":
+        self.device = p.device
+        self.dtype = getattr(model, "dtype", p.dtype)  # activations and KV cache: the model's dtype
+        if (
+            decode_layout
+            if decode_layout is not None
+            else self.device.type == "cpu" and self.dtype == torch.float32
+        ):
             use_matvec_layout(model)
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         self.eos_ids = eos_token_ids(self.config, tokenizer)
@@ -106,6 +113,29 @@ class Generator:
         # positions 0..max_len-1 once; each step takes a view instead of building a tensor
         self._positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         self.last_result: GenerationResult | None = None
+        # The decode step: eager (the reference the book reads), or torch.compile'd (inductor
+        # fuses each layer's small operators into a few C++/Triton kernels). Compiled lazily,
+        # once per Generator, on the first request; inductor's on-disk cache makes the next
+        # process's compile a cache hit. ``compile_s`` is what the first compiled call cost.
+        self.compile = bool(compile)
+        self._step = decode_step
+        self.compile_s: float | None = None
+        if self.compile:
+            self._step = torch.compile(decode_step)
+
+    @property
+    def weight_format(self) -> str:
+        """What the weights are held in (``float32``, ``gguf (int4 g32 x210, int8 x1) / bfloat16``)."""
+        return getattr(self.model, "weight_format", str(self.dtype).removeprefix("torch."))
+
+    def warmup(self) -> float:
+        """Run (and, compiled, compile) the decode step on a throwaway cache; return seconds."""
+        t0 = time.perf_counter()
+        self.generate([1, 2], max_new_tokens=3, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        if self.compile and self.compile_s is None:
+            self.compile_s = dt
+        return dt
 
     # -- prompts --
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
@@ -116,16 +146,23 @@ class Generator:
         """Prompt text (str), a conversation (list of messages) or ready token ids -> (text, ids)."""
         return encode_prompt(self.tokenizer, prompt, chat=chat)
 
-    def _cache_for(self, tokens: int) -> KVCache:
+    def _cache_for(self, tokens: int) -> KVCache | StaticKVCache:
         # Reuse the cache while it is big enough; otherwise allocate one rounded up to 256 tokens
         # (capped at the context) so a slightly longer next request does not reallocate.
         if self._cache is None or self._cache.max_len < tokens:
             size = min(self.max_len, -(-tokens // 256) * 256)
             self._cache = None  # free the old one first
-            self._cache = KVCache.from_config(
-                self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
-            )
-        self._cache.reset()
+            if self.compile:
+                # fixed shapes for the compiled step: every step attends over all the slots under
+                # a mask built from the positions tensor, so no Python length changes a shape
+                # (a changing one would recompile the graph)
+                self._cache = StaticKVCache(self.config, 1, size, self.device, self.dtype)
+            else:
+                self._cache = KVCache.from_config(
+                    self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
+                )
+        if isinstance(self._cache, KVCache):
+            self._cache.reset()
         return self._cache
 
     # -- the token loop --
@@ -155,9 +192,7 @@ class Generator:
                 outs[0].append(tid)
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = model(
-                    tok.view(1, 1), self._positions[:, pos : pos + 1], cache, last_only=True
-                )
+                logits = self._step(model, tok.view(1, 1), self._positions[:, pos : pos + 1], cache)
                 tok = sample(logits[:, -1], [params], gens, seen, outs)
             tid = int(tok[0])
             timing.step_s.append(time.perf_counter() - t0)
@@ -278,13 +313,27 @@ class Generator:
         return self._run(*self._prepare(prompt, params, chat), params)
 
 
+def decode_step(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """One decode step, ``ids [B, 1]`` at ``positions`` -> logits ``[B, 1, vocab]``: the function
+    :class:`Generator` runs eagerly or hands to ``torch.compile``."""
+    return model(ids, positions, cache, last_only=True)
+
+
 def load_generator(
     path: str | Path | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
+    *,
+    group_size: int = 32,
+    compile: bool = False,
 ) -> Generator:
-    """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2)."""
+    """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2),
+    with the weights in ``dtype``/``quantization`` (:func:`llmlib.load_model`)."""
     from llmlib.checkpoints import load_model, load_tokenizer_for, resolve_model_path
 
     path = resolve_model_path(path)
-    return Generator(load_model(path, device=device, dtype=dtype), load_tokenizer_for(path))
+    model = load_model(path, device, dtype, quantization, group_size=group_size)
+    return Generator(model, load_tokenizer_for(path), compile=compile)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +37,29 @@ def _packing_available() -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``: the packed copy when
-    it is valid and ``x`` holds more than one row, else ``F.linear``. ``bias [out]`` is optional
-    (Qwen2's q, k, v projections have one)."""
+def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., in]`` and ``weight [out, in]``; ``bias [out]`` is
+    optional (Qwen2's q, k, v projections have one).
+
+    ``weight`` is a dense tensor, or a quantized one stored for a weight-only kernel
+    (:class:`llmlib.quantize.PackedWeight`, which brings its own product). A dense float32 matrix
+    with a valid oneDNN copy (:func:`pack_weights`) uses it when ``x`` holds more than one row.
+    """
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
         p, ptr, version = packed
         if ptr == weight.data_ptr() and version == weight._version:
             return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def embedding_rows(ids: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``weight[ids]``: the embedding lookup, from a dense table or a quantized (tied) one."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.rows(ids)
+    return F.embedding(ids, weight)
 
 
 def pack_weights(model: nn.Module) -> int:
@@ -70,6 +84,17 @@ def pack_weights(model: nn.Module) -> int:
     return n
 
 
+def unpack_weights(model: nn.Module) -> int:
+    """Drop every oneDNN copy :func:`pack_weights` made (the model then holds its weights once);
+    return how many. ``llmlib bench batching`` times the engine both ways in one run."""
+    n = 0
+    for p in model.parameters():
+        if getattr(p, _ATTR, None) is not None:
+            delattr(p, _ATTR)
+            n += 1
+    return n
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` would use a packed copy of ``weight`` for a multi-row input."""
     packed = getattr(weight, _ATTR, None)
@@ -79,12 +104,34 @@ def is_packed(weight: torch.Tensor) -> bool:
 def prepare_cpu_weights(model: nn.Module) -> None:
     """Give a model on the CPU both layouts: the decode one, then the blocked copy for batches.
 
-    Called by the loader; a no-op for a model on another device.
+    Called by the loader; a no-op for a model on another device. A bfloat16 model instead holds
+    its matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
     """
-    if all(p.device.type != "cpu" for p in model.parameters()):
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    if not mats or any(p.device.type != "cpu" for p in mats):
+        return
+    if all(p.dtype == torch.bfloat16 for p in mats) and _packing_available():
+        pack_bfloat16(model)
         return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
     pack_weights(model)  # batches: oneDNN's blocked copy, made after the layout is final
+
+
+def pack_bfloat16(model: nn.Module) -> int:
+    """Hold every bfloat16 weight matrix of a CPU model only in oneDNN's blocked layout
+    (:class:`llmlib.quantize.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
+    as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows."""
+    from llmlib.quantize import OneDNNWeight, weight_matrices
+
+    n = 0
+    for name, mod in weight_matrices(model).items():
+        w = mod.weight
+        if name == "embed" or not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+            continue
+        del mod.weight
+        mod.weight = OneDNNWeight(w.data)
+        n += 1
+    return n
 
 
 # ---- the decode layout --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ SECTIONS = [
     "copy_bandwidth",
     "smollm2_batch1",
     "llama8b_batch1",
+    "llama8b_formats",
     "engine_throughput",
     "tensor_parallel",
 ]
@@ -55,6 +56,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert sm["transformers_tokens_agree"] == sm["new_tokens"]
     ll = s["llama8b_batch1"]
     assert ll["tok_s"] > 0 and 0 < ll["mbu_vs_copy"] and ll["bytes_per_decode_step"] > 0
+    lf = s["llama8b_formats"]["formats"]
+    assert list(lf) == ["bfloat16", "int8", "int4"]
+    assert all(r["tok_s"] > 0 and r["mbu_vs_copy"] > 0 for r in lf.values())
+    # fewer bytes per step, as stored: int4 < int8 < bfloat16
+    b = [lf[k]["bytes_per_decode_step"] for k in lf]
+    assert b[2] < b[1] < b[0]
     en = s["engine_throughput"]
     assert en["finished_all"] and en["completed_requests"] == en["requests"] == 8
     assert en["output_tokens"] == en["total_output_tokens_planned"] and en["output_tok_s"] > 0

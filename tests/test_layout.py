@@ -115,8 +115,9 @@ LAYERS = [
         "llmlib.kv_cache",
         "llmlib.roofline",
         "llmlib.structured",
+        "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
-    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs"},
+    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
     {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]

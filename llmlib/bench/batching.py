@@ -234,19 +234,10 @@ def bench(
     seq_tps = sum(r.max_tokens for r in seq_reqs) / seq["seconds"]
     log(f"  sequential   {seq_tps:8.1f} tok/s  ({seq['seconds']:.1f} s)")
     runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+    engine = (max_num_seqs, block_size, max_num_batched_tokens, num_blocks)
     for _ in range(max(1, repeats)):
         runs["static"].append(run_static(model, requests, static_batch))
-        runs["continuous"].append(
-            run_continuous(
-                model,
-                tokenizer,
-                requests,
-                max_num_seqs,
-                block_size,
-                max_num_batched_tokens,
-                num_blocks,
-            )
-        )
+        runs["continuous"].append(run_continuous(model, tokenizer, requests, *engine))
     sta, con = (
         sorted(runs[m], key=lambda r: r["seconds"])[(len(runs[m]) - 1) // 2]
         for m in ("static", "continuous")
@@ -270,12 +261,16 @@ def bench(
         f" (block size {block_size}), preemptions {con['stats'].preemptions}"
     )
     # the three must agree on the tokens (greedy) wherever they ran the same requests
+    from llmlib.bench.formats import fp32_copy_check
+
+    copy = fp32_copy_check(run_continuous, model, tokenizer, requests, con, *engine, log=log)
     agree_static = sum(a == b for a, b in zip(sta["outputs"], con["outputs"])) / len(requests)
     agree_seq = sum(a == b for a, b in zip(seq["outputs"], con["outputs"])) / len(seq_reqs)
     from llmlib.device import machine_info
 
     return {
         "machine": machine_info("cpu" if next(model.parameters()).device.type == "cpu" else None),
+        "weight_format": getattr(model, "weight_format", str(model.dtype)),
         "num_requests": len(requests),
         "output_tokens": total,
         "threads": torch.get_num_threads(),
@@ -299,6 +294,7 @@ def bench(
         "paged_pool_blocks": con["pool_blocks"],
         "preemptions": con["stats"].preemptions,
         "same_tokens_as_continuous": {"sequential": agree_seq, "static": agree_static},
+        "fp32_onednn_copy": copy,
     }
 
 
@@ -348,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    from llmlib.cli.common import add_format_args, model_format
+
+    add_format_args(ap, auto=False)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
@@ -358,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     from llmlib.generate import load_generator
 
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
-    gen = load_generator(args.model)
+    device, dtype, q = model_format(args)
+    gen = load_generator(args.model, device, dtype, q, group_size=args.group_size)
     model, tok = gen.model, gen.tokenizer
+    log(f"weights: {gen.weight_format}")
     reqs = make_requests(
         args.num_requests,
         model.config.vocab_size,

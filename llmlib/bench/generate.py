@@ -138,7 +138,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument(
+        "--formats",
+        default=None,
+        help="compare weight formats instead of transformers: a comma list of float32, bfloat16, "
+        "int8, int4, gguf, each optionally +compile (llmlib.bench.formats)",
+    )
+    ap.add_argument(
+        "--perplexity-tokens",
+        type=int,
+        default=0,
+        help="with --formats: also perplexity, KL and greedy agreement on this many tokens",
+    )
+    ap.add_argument("--no-memory", action="store_true", help="with --formats: skip resident memory")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="with --formats: skip llama.cpp")
+    ap.add_argument("--out", default=None, help="with --formats: also write the JSON here")
     args = ap.parse_args(argv)
+    if args.formats:
+        return _formats_main(args)
     if (
         args.new_tokens < 1
         or args.runs < 1
@@ -175,4 +192,38 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  ratio         {r['ratio']:7.2f}x   (same greedy tokens: {'yes' if r['same_tokens'] else 'no'})"
         )
+    return 0
+
+
+def _formats_main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmlib.bench import formats as F
+    from llmlib.checkpoints import resolve_model_path
+
+    try:
+        fmts = F.parse_formats(args.formats)
+    except ValueError as e:
+        print(f"llmlib bench generate: {e}", file=sys.stderr)
+        return 2
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    res = F.run(
+        resolve_model_path(args.model),
+        fmts,
+        new_tokens=args.new_tokens,
+        runs=args.runs,
+        threads=args.threads or torch.get_num_threads(),
+        prompt=args.prompt,
+        perplexity_tokens=args.perplexity_tokens,
+        memory=not args.no_memory,
+        llama_cpp=not args.no_llama_cpp,
+        log=log,
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        F.print_table(res)
     return 0

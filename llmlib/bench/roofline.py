@@ -90,14 +90,11 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
     layer's matrices, then the LM head, which is the embedding table when tied), back to back with no
     model code in between; and the bytes of those matrices. Its time is the matmul kernels' own share
     of a decode step: its gap to the roofline is kernel efficiency, its gap to the real step is the rest."""
-    import torch.nn.functional as F
+    from llmlib.linear import linear
+    from llmlib.quantize import PackedWeight, weight_matrices
 
-    mats = [
-        p
-        for n, p in model.named_parameters()
-        if p.dim() == 2 and n not in ("embed.weight", "lm_head.weight")
-    ]
-    mats.append(model.lm_head_weight)
+    # every product weight in the order a step reads them; dense or packed (int8/int4 codes)
+    mats = [m.weight for m in weight_matrices(model).values()]
     xs = {
         k: torch.randn(batch, k, device=model.device, dtype=model.dtype)
         for k in {w.shape[1] for w in mats}
@@ -105,9 +102,12 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
 
     def stream() -> None:
         for w in mats:
-            F.linear(xs[w.shape[1]], w)
+            linear(xs[w.shape[1]], w)
 
-    return stream, sum(w.numel() * w.element_size() for w in mats)
+    nbytes = sum(
+        w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in mats
+    )
+    return stream, nbytes
 
 
 @torch.inference_mode()

@@ -296,7 +296,7 @@ def gguf_name(llmlib_key: str) -> str:
 
 
 def read_gguf(
-    path: str | Path, progress: bool | None = None
+    path: str | Path, progress: bool | None = None, blocks: dict | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a ``llama``, ``qwen2`` or ``qwen3`` GGUF file into ``(config, state_dict)``, float32.
 
@@ -305,6 +305,11 @@ def read_gguf(
     offending field or tensor: an unknown architecture or quantization type, a missing, extra or
     mis-shaped tensor, and a truncated file are all ValueErrors. ``progress=None`` shows a progress
     bar only for files over a gigabyte (a small model decodes in a second or two).
+
+    ``blocks``, a dict, receives the raw bytes of every block-quantized matrix as
+    ``{llmlib name: (type name, uint8 tensor [rows, bytes per row])}``, rows in the same order as
+    the float tensor (q and k un-permuted): what ``quantization="gguf"`` repacks without
+    re-quantizing (:mod:`llmlib.checkpoints.repack`).
     """
     path = Path(path)
     reader = open_gguf(path)
@@ -341,12 +346,21 @@ def read_gguf(
             for e in range(w.shape[0]):
                 state[ours.replace("*", str(e))] = w[e]
             continue
+        raw = None
+        fmt = block_format(t.ggml_type, t.name)
+        if blocks is not None and fmt.block_size > 1 and w.ndim == 2:
+            raw = torch.from_numpy(np.array(reader.raw(t.name), dtype=np.uint8))
+            raw = raw.view(shape[0], -1)
         permuted = reader.metadata["general.architecture"] in PERMUTED_QK
         if permuted and ours.endswith("attn.wq.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_heads)
+            raw = None if raw is None else unpermute_qk(raw, cfg.n_heads)
         elif permuted and ours.endswith("attn.wk.weight") and w.ndim == 2:
             w = unpermute_qk(w, cfg.n_kv_heads)
+            raw = None if raw is None else unpermute_qk(raw, cfg.n_kv_heads)
         state[ours] = w.contiguous()
+        if raw is not None:
+            blocks[ours] = (fmt.name, raw.contiguous())
 
     if extra:
         raise ValueError(

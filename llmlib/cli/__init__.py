@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "llmlib.cli.costs",
         "parameters, bytes, KV cache and the decode floor of a model on a GPU",
     ),
+    "perplexity": ("llmlib.cli.perplexity", "perplexity of a text file in any weight format"),
     "fetch": ("llmlib.checkpoints.fetch", "fetch SmolLM2-135M-Instruct (GGUF) into the cache"),
 }
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from llmlib.cli.common import add_model_args, add_sampling_args, sampling_params
+from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
 from llmlib.generate import Generator, load_generator
 from llmlib.prompts import Message
 from llmlib.sampling import SamplingParams
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        gen = load_generator(args.model, args.device, args.dtype)
+        gen = load_generator(*generator_args(args), group_size=args.group_size)
+        print(f"(weights: {gen.weight_format})", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"llmlib chat: error: {e}", file=sys.stderr)
         return 2

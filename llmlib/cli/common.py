@@ -1,10 +1,12 @@
-"""Arguments the model-running commands share (``generate``, ``chat``): which model, how to sample."""
+"""Arguments the model-running commands share (``generate``, ``chat``): which model, in which
+format, how to sample."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from llmlib.dtypes import FLOAT_NAMES
+from llmlib.dtypes import FLOAT_NAMES, QUANTIZATIONS
 from llmlib.sampling import SamplingParams
 
 
@@ -15,12 +17,35 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
         help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct, fetched if missing)",
     )
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    ap.add_argument(
-        "--dtype",
-        default=None,
-        choices=FLOAT_NAMES,
-        help="default: bfloat16 on CUDA, float32 on CPU",
+    add_format_args(ap)
+
+
+def add_format_args(ap: argparse.ArgumentParser, auto: bool = True) -> None:
+    """``--dtype`` and ``--quantization`` (and ``--group-size`` for int4)."""
+    default = (
+        "default: the fastest accurate format here (llmlib.device.choose_format: on a CPU with "
+        "native bfloat16, bfloat16 activations with the file's own blocks or int8; float32 on "
+        "other CPUs; bfloat16 on CUDA)"
+        if auto
+        else "default: bfloat16 on CUDA, float32 on CPU"
     )
+    ap.add_argument("--dtype", default=None, choices=FLOAT_NAMES, help=default)
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", *QUANTIZATIONS),
+        help="weight-only int8 (per channel), int4 (groups), gguf (the file's own blocks)",
+    )
+    ap.add_argument("--group-size", type=int, default=32, help="int4 weights per scale (32..256)")
+
+
+def model_format(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """``(device, dtype, quantization)`` the arguments ask for; ``--quantization none`` means
+    plain weights in ``--dtype`` (or float32), never the automatic choice."""
+    q = args.quantization
+    if q == "none":
+        return args.device, args.dtype or "float32", None
+    return args.device, args.dtype, q
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -48,3 +73,26 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         max_tokens=args.max_new_tokens,
         stop=args.stop or [],
     )
+
+
+def auto_format(
+    path: Any, device: str | None, dtype: str | None, quantization: str | None
+) -> tuple[Any, Any, str | None]:
+    """``(device, dtype, quantization)`` to load ``path`` with: as asked, or when neither a dtype
+    nor a quantization is given, the machine's fastest accurate format
+    (:func:`llmlib.device.choose_format`)."""
+    from pathlib import Path
+
+    from llmlib.device import choose_format
+
+    place, q = choose_format(device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf")
+    return place.device, place.dtype, q
+
+
+def generator_args(args: argparse.Namespace) -> tuple[Any, Any, Any, str | None]:
+    """``(path, device, dtype, quantization)`` for :func:`llmlib.generate.load_generator`: the
+    format the model arguments ask for, or the default (:func:`auto_format`)."""
+    from llmlib.checkpoints import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    return (path, *auto_format(path, *model_format(args)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmlib.cli.common import add_model_args, add_sampling_args, sampling_params
+from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
 from llmlib.generate import load_generator
 
 
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-stream", action="store_true", help="print the text only when done")
     ap.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step (compiles once)"
+    )
     add_model_args(ap)
     ap.add_argument(
         "--tensor-parallel-size",
@@ -40,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return _sharded(args)
     try:
         params = sampling_params(args)
-        gen = load_generator(args.model, args.device, args.dtype)
+        gen = load_generator(
+            *generator_args(args), group_size=args.group_size, compile=args.compile
+        )
+        if args.compile:
+            gen.warmup()  # compile now, so the timing line reports decode, not compilation
         # An instruction-tuned model answers a bare question badly (SmolLM2's first greedy token
         # after one is its end-of-turn token), so chat is the default whenever a template exists.
         chat = (
@@ -63,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         t = out.timing
         print(
             f"[{len(out.prompt_ids)} prompt tokens, {len(out.token_ids)} new, finish={out.finish_reason}; "
-            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
+            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s; "
+            f"weights {gen.weight_format}"
+            + (f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else "")
+            + "]",
             file=sys.stderr,
         )
     return 0

@@ -67,18 +67,26 @@ def build_engine(
     model: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    quantization: str | None = None,
     max_queue: int = 1024,
     **engine_kwargs: Any,
 ):
     """Load a model into the async batching engine: ``(engine, model_id)``. ``max_queue`` is the
-    one bound on requests in flight (one more gets a 503)."""
+    one bound on requests in flight (one more gets a 503). With neither a dtype nor a
+    quantization, the machine's fastest accurate format (:func:`llmlib.device.choose_format`)."""
     from pathlib import Path
 
     from llmlib.checkpoints import resolve_model_path
-    from llmlib.device import choose
+    from llmlib.device import choose_format
 
     path = resolve_model_path(model)
-    place = choose(device, dtype)
+    if quantization == "none":
+        quantization, dtype = None, dtype or "float32"
+    place, quantization = choose_format(
+        device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf", batched=True
+    )
+    if quantization is not None:
+        engine_kwargs["quantization"] = quantization
     engine = _make_async_engine(
         path, place.device, place.dtype, max_queue=max_queue, **engine_kwargs
     )
@@ -127,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype",
         default=None,
-        help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU)",
+        help="float32, bfloat16, float16 (default: the fastest accurate format here)",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "int8", "int4", "gguf"),
+        help="weight-only int8, int4, or the GGUF file's own blocks (default: as --dtype)",
     )
     ap.add_argument(
         "--served-model-name",
@@ -178,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         args.device,
         args.dtype,
+        args.quantization,
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,368 @@
+"""``llmlib bench generate --formats ...``: every weight format side by side, in one run.
+
+For each format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``; ``NAME+compile`` for
+the torch.compile'd decode step) the same file is loaded, and the same prompt is decoded greedily
+at batch 1 for the same number of new tokens. Runs go round-robin over the formats so a noisy
+neighbour slows all alike; medians are reported, with ratios against float32 from this run.
+
+Per format: decode tokens/s; the bytes one decode step reads (every weight matrix as stored,
+scales included, plus the KV cache at the mean length); that traffic as a share of the read
+bandwidth measured in the same run (:func:`llmlib.roofline.measure_bandwidth`); the resident
+memory the loaded weights add to a fresh process, against the bytes the format stores; and,
+with ``--perplexity-tokens``, perplexity on the book's text, KL divergence from float32 and the
+share of greedy tokens that agree (:mod:`llmlib.perplexity`). Where ``llama-cpp-python`` is
+installed, llama.cpp decodes the same file in the same run (``n_batch=1``: this machine's build
+crashed on prompts processed with ``n_batch > 1``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMATS = {  # name -> (dtype, quantization)
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "gguf": ("bfloat16", "gguf"),
+}
+
+
+def parse_formats(text: str) -> list[tuple[str, bool]]:
+    """``"float32,gguf+compile"`` -> ``[("float32", False), ("gguf", True)]``."""
+    out = []
+    for item in text.split(","):
+        name, _, extra = item.strip().partition("+")
+        if name not in FORMATS or extra not in ("", "compile"):
+            raise ValueError(f"unknown format {item!r}; one of {sorted(FORMATS)} (+compile)")
+        out.append((name, extra == "compile"))
+    return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads from the weights: every matrix it multiplies by as stored
+    (packed codes and scales, or the dense matrix), the norms, one embedding row."""
+    from llmlib.quantize import PackedWeight, weight_matrices
+
+    mats = weight_matrices(model)
+    total = 0
+    for mod in mats.values():
+        w = mod.weight
+        total += w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+    for p in model.parameters():
+        if p.dim() == 1:
+            total += p.numel() * p.element_size()
+    if "embed" not in mats:
+        total += model.embed.weight.shape[1] * model.embed.weight.element_size()
+    return total
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes the format stores: every tensor of the model once (parameters and packed buffers)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # oneDNN's opaque blocked layout: no storage to ask
+            total += t.numel() * t.element_size()
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.device.type != "meta" and key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total - sum(b.untyped_storage().nbytes() for b in model.rope.buffers())
+
+
+_RSS = """
+import ctypes, gc, json, os, sys, torch
+import llmlib
+from llmlib.bench.formats import stored_bytes
+torch.set_num_threads(1)
+def rss():  # resident anonymous memory (Linux): not the memory-mapped file's pages
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+before = rss()
+m = llmlib.load_model(sys.argv[1], "cpu", sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3])
+gc.collect()
+try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+except OSError:
+    pass
+rope = sum(b.numel() * b.element_size() for b in m.rope.buffers())  # tables, not weights
+print(json.dumps({"rss": rss() - before - rope, "stored": stored_bytes(m)}))
+"""
+
+
+def resident_bytes(path: Path, dtype: str, quantization: str | None) -> dict[str, int]:
+    """What loading the format adds to a fresh process's resident memory, and what it stores."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS, str(path), dtype, quantization or "-"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _llama_cpp(path: Path, threads: int, prompt_ids: list[int], new_tokens: int):
+    """A decode function for llama.cpp on ``path`` (None when llama-cpp-python is absent)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import numpy as np
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(prompt_ids) + new_tokens + 8,
+        n_batch=1,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:  # the newest token's logits, straight from the context
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    def run() -> tuple[list[int], float]:
+        import time
+
+        llm.reset()
+        llm.eval(prompt_ids)
+        toks: list[int] = []
+        tok = last_argmax()
+        t0 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            toks.append(tok)
+            llm.eval([tok])
+            tok = last_argmax()
+        toks.append(tok)
+        return toks, time.perf_counter() - t0
+
+    return run
+
+
+def run(
+    path: Path,
+    formats: list[tuple[str, bool]],
+    new_tokens: int = 64,
+    runs: int = 3,
+    threads: int = 2,
+    prompt: str = "What is a quadratic equation?",
+    perplexity_tokens: int = 0,
+    memory: bool = True,
+    llama_cpp: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    import llmlib
+    from llmlib.device import machine_info, timings
+    from llmlib.generate import Generator
+    from llmlib.roofline import measure_bandwidth
+
+    torch.set_num_threads(threads)
+    tok = llmlib.load_tokenizer(path)
+    gens: dict[str, Generator] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, comp in formats:
+        label = name + ("+compile" if comp else "")
+        dtype, q = FORMATS[name]
+        model = llmlib.load_model(path, "cpu", dtype, q)
+        gens[label] = g = Generator(model, tok, compile=comp)
+        warm = g.warmup()
+        rows[label] = {
+            "name": label,
+            "dtype": dtype,
+            "quantization": q,
+            "compiled": comp,
+            "weight_format": g.weight_format,
+            "compile_s": round(warm, 2) if comp else None,
+            "weight_bytes_per_token": weight_bytes(model),
+        }
+        log(f"loaded {label}: {g.weight_format}" + (f", compiled in {warm:.1f} s" if comp else ""))
+    ids = next(iter(gens.values())).encode_prompt(prompt, chat=True)[1]
+    llama = _llama_cpp(path, threads, ids, new_tokens) if llama_cpp else None
+    times: dict[str, list[float]] = {k: [] for k in gens}
+    tokens: dict[str, list[int]] = {}
+    if llama is not None:
+        times["llama.cpp"] = []
+        llama()  # warm up
+    bw = []
+    for i in range(runs):
+        bw.append(statistics.median(measure_bandwidth("cpu", reps=3)))
+        for label, g in gens.items():
+
+            def once(g=g, label=label) -> None:
+                out = g.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
+                tokens[label] = out.token_ids
+                times[label].append(out.timing.decode_s / len(out.timing.step_s))
+
+            timings(once, warmup=0, reps=1)
+        if llama is not None:
+            toks, secs = llama()
+            tokens["llama.cpp"] = toks
+            times["llama.cpp"].append(secs / (new_tokens - 1))
+        log(f"run {i + 1}/{runs}: " + ", ".join(f"{k} {1 / v[-1]:.1f}" for k, v in times.items()))
+    bandwidth = statistics.median(bw)
+    ref = tokens.get("float32") or next(iter(tokens.values()))
+    kv_len = len(ids) + new_tokens / 2
+    cfg = next(iter(gens.values())).config
+    for label, g in gens.items():
+        r = rows[label]
+        step = statistics.median(times[label])
+        kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_len * g.dtype.itemsize
+        r["tokens_per_s"] = round(1 / step, 2)
+        r["bytes_per_token"] = int(r["weight_bytes_per_token"] + kv)
+        r["bandwidth_share"] = round(r["bytes_per_token"] / step / bandwidth, 3)
+        r["same_tokens_as_float32"] = round(
+            sum(a == b for a, b in zip(tokens[label], ref)) / len(ref), 3
+        )
+    if llama is not None:
+        step = statistics.median(times["llama.cpp"])
+        rows["llama.cpp"] = {"name": "llama.cpp", "tokens_per_s": round(1 / step, 2)}
+    base = rows.get("float32", {}).get("tokens_per_s")
+    for r in rows.values():
+        r["vs_float32"] = round(r["tokens_per_s"] / base, 2) if base else None
+        if "llama.cpp" in rows and r["name"] != "llama.cpp":
+            r["vs_llama_cpp"] = round(r["tokens_per_s"] / rows["llama.cpp"]["tokens_per_s"], 2)
+    if perplexity_tokens:
+        _quality(gens, tok, perplexity_tokens, rows, log)
+    if memory:
+        for label, r in rows.items():
+            if label == "llama.cpp" or r["compiled"]:
+                continue
+            m = resident_bytes(path, r["dtype"], r["quantization"])
+            r["resident_bytes"], r["stored_bytes"] = m["rss"], m["stored"]
+            r["resident_vs_stored"] = round(m["rss"] / m["stored"], 3)
+    return {
+        "machine": machine_info("cpu"),
+        "model": path.name,
+        "threads": threads,
+        "prompt_tokens": len(ids),
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "formats": list(rows.values()),
+    }
+
+
+def _quality(gens, tok, n: int, rows: dict, log) -> None:
+    from llmlib.perplexity import book_text_ids, compare, perplexity
+
+    ids = book_text_ids(tok, n)
+    ref = gens.get("float32")
+    ppl_ref = perplexity(ref.model, ids) if ref is not None else None
+    for label, g in gens.items():
+        if rows[label]["compiled"]:
+            continue
+        ppl = ppl_ref if g is ref else perplexity(g.model, ids)
+        r = rows[label]
+        r["perplexity"] = round(ppl, 4)
+        if ppl_ref:
+            r["perplexity_vs_float32"] = round(ppl / ppl_ref, 4)
+            if g is not ref:
+                c = compare(ref.model, g.model, ids)
+                r["kl_vs_float32"] = round(c.kl, 5)
+                r["greedy_agreement"] = round(c.greedy_agreement, 4)
+        log(f"{label}: perplexity {ppl:.3f}")
+
+
+def print_table(res: dict[str, Any]) -> None:
+    bw = res["read_bandwidth_bytes_per_s"]
+    print(
+        f"{res['model']}, batch 1, {res['threads']} threads, {res['new_tokens']} new tokens, "
+        f"median of {res['runs']} runs; measured read bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    cols = (
+        ("tokens_per_s", "tok/s", "{:8.1f}"),
+        ("vs_float32", "x fp32", "{:7.2f}"),
+        ("vs_llama_cpp", "x llama", "{:8.2f}"),
+        ("bytes_per_token", "MB/tok", "{:7.1f}"),
+        ("bandwidth_share", "of BW", "{:6.0%}"),
+        ("resident_bytes", "RSS MB", "{:7.1f}"),
+        ("resident_vs_stored", "/stored", "{:8.2f}"),
+        ("perplexity", "ppl", "{:7.3f}"),
+        ("kl_vs_float32", "KL", "{:8.5f}"),
+        ("greedy_agreement", "agree", "{:6.1%}"),
+    )
+    print(f"  {'format':16s}" + "".join(f"{h:>9s}" for _, h, _ in cols))
+    for r in res["formats"]:
+        cells = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            if v is None:
+                cells.append(f"{'-':>9s}")
+            else:
+                v = v / 1e6 if key in ("bytes_per_token", "resident_bytes") else v
+                cells.append(f"{fmt.format(v):>9s}")
+        print(f"  {r['name']:16s}" + "".join(cells))
+    for r in res["formats"]:
+        if r.get("weight_format"):
+            print(f"  {r['name']}: {r['weight_format']}")
+
+
+def breakdown(
+    path: Path,
+    names: tuple[str, ...] = ("float32", "bfloat16", "int8", "gguf"),
+    context: int = 64,
+    reps: int = 5,
+) -> dict[str, dict[str, float]]:
+    """Per format, chapter 9's decomposition of one batch-1 decode step
+    (:func:`llmlib.bench.roofline.decode_breakdown`): the full step, the weight matrices alone as
+    stored, and the same format's 30-layer skeleton (overhead), plus the bytes the step reads."""
+    import llmlib
+    from llmlib.bench.roofline import decode_breakdown, overhead_model
+    from llmlib.linear import prepare_cpu_weights
+    from llmlib.model import random_model
+    from llmlib.quantize import quantize_model
+
+    out = {}
+    for name in names:
+        dtype, q = FORMATS[name]
+        model = llmlib.load_model(path, "cpu", dtype, q)
+        skeleton = random_model(overhead_model(model.config), "cpu", model.dtype)
+        if q is not None:
+            quantize_model(skeleton, "int4" if q == "gguf" else q)
+        else:
+            prepare_cpu_weights(skeleton)
+        bd = decode_breakdown(model, skeleton, context, reps)
+        out[name] = {
+            **bd,
+            "weight_bytes": float(weight_bytes(model)),
+            "format": model.weight_format,
+        }
+        del model
+    return out
+
+
+def fp32_copy_check(
+    run_continuous, model, tokenizer, requests, con, *engine_args, log=print
+) -> dict | None:
+    """A float32 CPU model holds a second, oneDNN-blocked copy of its matrices for multi-row
+    products (:func:`llmlib.linear.pack_weights`). Whether it pays for itself: the continuous
+    run again without it, in the same run, and the bytes it costs."""
+    from llmlib.linear import is_packed, pack_weights, unpack_weights
+
+    mats = [p for p in model.parameters() if p.dim() == 2 and is_packed(p)]
+    if not mats:
+        return None
+    extra = sum(p.numel() * p.element_size() for p in mats)
+    unpack_weights(model)
+    try:
+        without = run_continuous(model, tokenizer, requests, *engine_args)
+    finally:
+        pack_weights(model)
+    total = sum(r.max_tokens for r in requests)
+    w, wo = total / con["seconds"], total / without["seconds"]
+    log(
+        f"  float32 oneDNN copy: continuous {w:.1f} tok/s with it, {wo:.1f} without "
+        f"({w / wo:.2f}x) for {extra / 2**20:.0f} MiB more"
+    )
+    return {"with_tok_s": w, "without_tok_s": wo, "ratio": w / wo, "extra_bytes": extra}

@@ -1,0 +1,274 @@
+"""Weight-only int8/int4: each kernel against a float reference, the GGUF repacking against the
+file's own values, bad combinations refused by name, and a whole tiny model in every format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_gguf import TINY, random_hf_weights, write_gguf
+
+import llmlib
+from llmlib.checkpoints.quant import dequantize
+from llmlib.checkpoints.repack import block_codes, repack_error
+from llmlib.config import ModelConfig
+from llmlib.generate import Generator
+from llmlib.model import random_model
+from llmlib.quantize import (
+    GroupCodes,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    pack,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    weight_matrices,
+)
+from llmlib.shapes import kv_cache_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _x(k: int, m: int = 3, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_equals_float_product_of_its_codes(dtype) -> None:
+    w = torch.randn(128, 96, generator=torch.Generator().manual_seed(0))
+    codes = quantize_int8(w)
+    assert (codes.dequantize() - w).abs().max() <= codes.scale.max() / 2 + 1e-6  # round to nearest
+    packed = pack(codes, dtype, "cpu")
+    x = _x(96, dtype=dtype)
+    ref = x.float() @ (codes.q.float() * codes.scale.to(dtype).float()[:, None]).T
+    got = packed.linear(x).float()
+    assert got.dtype == torch.float32 and got.shape == (3, 128)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    ids = torch.tensor([[0, 5, 127]])
+    assert torch.equal(
+        packed.rows(ids), (codes.q[ids].to(dtype) * codes.scale.to(dtype)[ids, None])
+    )
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_kernel_equals_float_product_of_its_codes(group, dtype) -> None:
+    w = torch.randn(192, 128, generator=torch.Generator().manual_seed(0)) + 0.3
+    codes = quantize_int4(w, group)
+    steps = codes.scale.repeat_interleave(group, dim=1)
+    assert ((codes.dequantize() - w).abs() <= steps / 2 + 1e-5).all()  # within half a step
+    packed = pack(codes, dtype, "cpu")
+    assert isinstance(packed, Int4Weight)
+    x = _x(128, dtype=dtype)
+    rounded = GroupCodes(
+        codes.q, codes.scale.to(dtype).float(), codes.zero.to(dtype).float(), group
+    )
+    ref = x.float() @ rounded.dequantize().T
+    got = packed.linear(x).float()
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    # the row lookup reads the kernel's own packed layout back (or the kept codes)
+    ids = torch.tensor([0, 1, 63, 64, 100, 191])
+    assert torch.allclose(packed.rows(ids).float(), rounded.dequantize()[ids], rtol=1e-2, atol=1e-2)
+    packed.keep_codes_for_rows(codes)
+    assert torch.allclose(packed.rows(ids).float(), rounded.dequantize()[ids], rtol=1e-2, atol=1e-2)
+
+
+def test_bad_combinations_name_the_tensor_and_the_choice() -> None:
+    with pytest.raises(ValueError, match=r"w_down.*group size 128 does not divide its 96"):
+        quantize_int4(torch.randn(8, 96), 128, name="layers.0.ffn.w_down.weight")
+    with pytest.raises(ValueError, match="group size 48 is not one of"):
+        quantize_int4(torch.randn(8, 96), 48)
+    with pytest.raises(ValueError, match="kernels exist for cpu and cuda, not meta"):
+        pack(quantize_int8(torch.randn(8, 32)), torch.bfloat16, "meta")
+    model = random_model(TINY.replace(ffn_dim=80), device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"ffn.w_down.weight: int4 group size 32 does not divide"):
+        quantize_model(model, "int4", group_size=32)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_model(model, "int3")
+
+
+def _gguf(tmp_path: Path, qtype: T, tie: bool = False) -> tuple[Path, ModelConfig]:
+    cfg = TINY.replace(tie_embeddings=tie)
+    weights = random_hf_weights(cfg, seed=3)
+    if tie:
+        weights.pop("lm_head.weight", None)
+    return write_gguf(tmp_path / f"m_{qtype.name}.gguf", cfg, weights, qtype), cfg
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])
+def test_gguf_4bit_blocks_repack_exactly(tmp_path: Path, qtype: T) -> None:
+    """The codes and float32 constants reproduce the file's values bit for bit (up to float32
+    rounding of ``(q - 8) * d + (m + 8 d)``); only the constants' dtype rounds."""
+    path, _ = _gguf(tmp_path, qtype)
+    blocks: dict = {}
+    cfg, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
+    assert blocks and all(kind == qtype.name for kind, _ in blocks.values())
+    for name, (kind, raw) in blocks.items():
+        c = block_codes(kind, raw, name)
+        assert torch.allclose(c.dequantize(), state[name], rtol=0, atol=1e-6), name
+    err = repack_error(blocks, torch.bfloat16)[qtype.name]
+    assert err["codes"] < 1e-6 and 0 < err["in_dtype"] < 2**-7
+
+
+def test_gguf_q8_0_is_requantized_per_row_and_says_by_how_much(tmp_path: Path) -> None:
+    path, _ = _gguf(tmp_path, T.Q8_0)
+    blocks: dict = {}
+    _, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
+    err = repack_error(blocks, torch.float32)["Q8_0"]
+    assert 0 < err["codes"] < 1 / 127  # at most half a per-row step of the row's largest weight
+    name = next(iter(blocks))
+    assert not torch.equal(block_codes(*blocks[name]).dequantize(), state[name])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_tiny_model_in_every_format_follows_float32(tmp_path: Path, quantization, tie) -> None:
+    path, cfg = _gguf(tmp_path, T.Q4_1 if quantization == "gguf" else T.F32, tie)
+    ref = llmlib.load_model(path, "cpu", torch.float32)
+    # the reference holds in float32 exactly the values the codes stand for (for gguf: the file's)
+    quant = {"int8": quantize_int8, "int4": quantize_int4}.get(quantization)
+    with torch.no_grad():
+        for name, mod in weight_matrices(ref).items():
+            if quant is not None:
+                q = quantize_int8 if name in ("embed", "lm_head") else quant  # int4: head int8
+                mod.weight.copy_(q(mod.weight).dequantize())
+    model = llmlib.load_model(path, "cpu", torch.bfloat16, quantization)
+    exact = llmlib.load_model(path, "cpu", torch.float32, quantization)
+    # the weights are held once, packed: no dense matrix is left (but an untied embedding table,
+    # of which a step reads one row), and the dtype is the activations'
+    dense = [n for n, p in model.named_parameters() if p.dim() == 2]
+    assert dense == ([] if tie else ["embed.weight"])
+    packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    assert len(packed) == 4 * cfg.n_layers + 1  # 4 per layer and the LM head (tied or not)
+    assert model.dtype == torch.bfloat16 and quantization in model.weight_format
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b, c = ref(ids), model(ids).float(), exact(ids)
+    assert b.shape == a.shape
+    rel = (a - b).norm() / a.norm()
+    assert rel < 0.05, float(rel)  # bfloat16 activations and constants
+    assert torch.allclose(c, a, rtol=1e-4, atol=1e-4)  # float32: the same numbers as the codes
+    # the embedding lookup from a tied packed table is the packed table's rows
+    if tie:
+        assert isinstance(model.embed.weight, (Int8Weight, Int4Weight))
+
+
+def test_generator_kv_cache_in_the_models_dtype() -> None:
+    """Chapter 8's formula follows the dtype: bfloat16 halves the cache, and the allocation is
+    the formula."""
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    cfg = TINY.replace(vocab_size=tok.vocab_size)
+    sizes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = quantize_model(random_model(cfg, "cpu", dtype), "int8")
+        gen = Generator(model, tok)
+        out = gen.generate("the cat", max_new_tokens=4, ignore_eos=True)
+        assert len(out.token_ids) == 4
+        c = gen._cache
+        assert c.k.dtype == dtype
+        assert c.nbytes == kv_cache_bytes(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, c.max_len, dtype.itemsize
+        )
+        sizes[dtype] = c.nbytes
+    assert sizes[torch.bfloat16] * 2 == sizes[torch.float32]
+
+
+def test_gguf_needs_a_gguf_file_and_blocks(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="repacks a .gguf file's blocks"):
+        llmlib.load_model(folder, "cpu", quantization="gguf")
+    path, _ = _gguf(tmp_path, T.F32)
+    with pytest.raises(ValueError, match="stores no Q4_0/Q4_1/Q8_0 matrix"):
+        llmlib.load_model(path, "cpu", quantization="gguf")
+
+
+def _fastest_within_one_percent(formats: list[dict], key: str) -> tuple[str, str | None]:
+    ok = [
+        f
+        for f in formats
+        if f.get("perplexity_vs_float32") is not None
+        and f["perplexity_vs_float32"] <= 1.01
+        and f["name"] != "float32"
+    ]
+    best = max(ok, key=lambda f: f[key])
+    return best["dtype"], best["quantization"]
+
+
+@pytest.mark.parametrize(
+    "workload, record, key",
+    [
+        ("decode", "formats.json", "tokens_per_s"),
+        ("batched", "batching_formats.json", "continuous_tokens_per_s"),
+    ],
+)
+def test_auto_format_order_follows_the_recorded_measurements(workload, record, key) -> None:
+    """``AUTO_CPU_FORMATS`` puts first the recorded fastest format within 1% of float32's
+    perplexity, for one request (decode) and for the batching engine."""
+    from llmlib.device import AUTO_CPU_FORMATS
+
+    rec = ROOT / "results" / record
+    if not rec.exists():
+        pytest.skip(f"no recorded {record}")
+    formats = json.loads(rec.read_text())["formats"]
+    assert _fastest_within_one_percent(formats, key) == AUTO_CPU_FORMATS[workload][0]
+
+
+def test_dequantize_helpers_agree() -> None:
+    """repack's Q4_1 reading equals the chapter-3 dequantizer on random blocks."""
+    rng = np.random.default_rng(0)
+    import gguf
+
+    arr = rng.standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(arr, T.Q4_1)
+    ref = dequantize(raw, T.Q4_1, (4, 64))
+    got = block_codes("Q4_1", torch.from_numpy(np.ascontiguousarray(raw)).view(4, -1)).dequantize()
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
+    from llmlib.linear import prepare_cpu_weights
+    from llmlib.quantize import OneDNNWeight
+
+    cfg = TINY.replace(tie_embeddings=True)
+    model = random_model(cfg, "cpu", torch.bfloat16)
+    ref = random_model(cfg, "cpu", torch.bfloat16)
+    prepare_cpu_weights(model)
+    kinds = {type(m.weight).__name__ for m in weight_matrices(model).values()}
+    assert kinds == {"OneDNNWeight", "Parameter"}  # the tied table stays a plain matrix (rows)
+    w = model.layers[0].ffn.w_gate_up.weight
+    assert isinstance(w, OneDNNWeight) and w.dtype == torch.bfloat16
+    dense = ref.layers[0].ffn.w_gate_up.weight
+    assert torch.equal(w.dequantize(), dense)
+    x = _x(cfg.d_model, dtype=torch.bfloat16)
+    ref_y = x.float() @ dense.float().T
+    assert (w.linear(x).float() - ref_y).abs().max() <= 1e-2 * ref_y.abs().max()
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).float(), model(ids).float()
+    assert (a - b).norm() / a.norm() < 0.02
+
+
+def test_engine_kv_pool_in_the_models_dtype() -> None:
+    """The batching engine's pool follows the activations' dtype, and its allocation is chapter
+    8's formula per block."""
+    from llmlib.engine import LLM
+
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    cfg = TINY.replace(vocab_size=tok.vocab_size)
+    model = random_model(cfg, "cpu", torch.bfloat16)
+    llm = LLM(model, tok, num_blocks=16, block_size=4, quantization="int8")
+    assert llm.dtype == torch.bfloat16 and llm.runner.cache.k[0].dtype == torch.bfloat16
+    per_block = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, 2)
+    assert llm.kv_cache_bytes == 16 * per_block
+    outs = llm.generate(
+        ["the cat", "the mat"],
+        llmlib.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [len(o.token_ids) for o in outs] == [4, 4]
