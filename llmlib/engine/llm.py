@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from llmlib.engine.block_manager import BlockManager
+from llmlib.engine.load import load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
@@ -84,36 +85,17 @@ class LLM:
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
+            if quantization is not None:
+                raise ValueError(
+                    f"LLM: quantization={quantization!r} with tensor_parallel_size="
+                    f"{tensor_parallel_size}: the ranks load float slices only, for now"
+                )
             self._tp, model_obj, tokenizer = start_engine(
                 model, tensor_parallel_size, device, dtype, tokenizer, tp_options
             )
             cuda_graphs = False  # each step is a round of collectives: no graph replay
-        elif isinstance(model, (str, Path)):
-            from llmlib.checkpoints import load_model, load_tokenizer_for
-            from llmlib.device import choose_format
-
-            path = Path(model)
-            # neither dtype nor quantization given: the fastest accurate format for this machine
-            place, quantization = choose_format(
-                device, dtype, quantization, gguf_blocks=path.suffix == ".gguf", batched=True
-            )
-            model_obj = load_model(path, place.device, place.dtype, quantization)
-            if tokenizer is None:
-                tokenizer = load_tokenizer_for(path, required=False)
-        elif isinstance(model, torch.nn.Module):
-            model_obj = model
-            if device is not None or dtype is not None:
-                model_obj = model_obj.to(
-                    device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None
-                )
-            if quantization is not None:
-                from llmlib.quantize import quantize_model
-
-                model_obj = quantize_model(model_obj, quantization)
         else:
-            raise TypeError(
-                f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
-            )
+            model_obj, tokenizer = load_engine_model(model, tokenizer, device, dtype, quantization)
         try:  # a sharded engine that fails to finish starting stops its ranks
             self.model = model_obj.eval()
             self.tokenizer = tokenizer
