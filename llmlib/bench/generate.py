@@ -22,7 +22,9 @@ import sys
 
 import torch
 
+from llmlib.bench import speculative as spec_bench
 from llmlib.device import timings
+from llmlib.speculative.config import SPEC_HELP
 
 PROMPT = "What is a quadratic equation?"
 
@@ -153,7 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="with --formats: skip resident memory")
     ap.add_argument("--no-llama-cpp", action="store_true", help="with --formats: skip llama.cpp")
     ap.add_argument("--out", default=None, help="with --formats: also write the JSON here")
+    ap.add_argument(
+        "--speculative",
+        default=None,
+        metavar="SPEC[,SPEC]",
+        help="compare speculative decoding with plain instead (llmlib.bench.speculative); "
+        + SPEC_HELP,
+    )
+    spec_bench.add_args(ap)
     args = ap.parse_args(argv)
+    if args.speculative:
+        return spec_bench.main(args)
     if args.formats:
         return _formats_main(args)
     if (
