@@ -159,13 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         "--speculative",
         default=None,
         metavar="SPEC[,SPEC]",
-        help="compare speculative decoding with plain instead (llmlib.bench.speculative); "
-        + SPEC_HELP,
+        help="compare speculative decoding with plain instead (its options: llmlib bench "
+        "speculative --help); " + SPEC_HELP,
     )
-    spec_bench.add_args(ap)
+    if any(a.startswith("--speculative") for a in argv or []):
+        return spec_bench.main(argv)
     args = ap.parse_args(argv)
-    if args.speculative:
-        return spec_bench.main(args)
     if args.formats:
         return _formats_main(args)
     if (

@@ -192,8 +192,18 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     return res
 
 
-def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--k-sweep", default=None, help="with --speculative: k values, e.g. 1,2,4,8")
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="llmlib bench generate --speculative", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("--speculative", default="ngram:4", help="a comma list; " + SPEC_HELP)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="the most new tokens per prompt")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--k-sweep", default=None, help="k values for every spec, e.g. 1,2,4,8")
     ap.add_argument(
         "--exit-layers", default=None, help="with early_exit: layer counts, e.g. 4,8,15"
     )
@@ -206,18 +216,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--verify-cost", action="store_true", help="also time a pass over 1..16 new tokens"
     )
     ap.add_argument("--verify-context", type=int, default=512)
+    return ap
 
 
-def main(argv: list[str] | argparse.Namespace | None = None) -> int:
-    """``llmlib bench speculative ARGS`` is ``llmlib bench generate --speculative ngram:4 ARGS``."""
-    if not isinstance(argv, argparse.Namespace):
-        from llmlib.bench.generate import main as generate_main
-
-        argv = list(argv or [])
-        if not any(a.startswith("--speculative") for a in argv):
-            argv = ["--speculative", "ngram:4", *argv]
-        return generate_main(argv)
-    args = argv
+def main(argv: list[str] | None = None) -> int:
+    """``llmlib bench speculative ARGS``, also ``llmlib bench generate --speculative SPEC ARGS``."""
+    args = parser().parse_args(argv)
+    if args.new_tokens < 1 or args.runs < 1 or args.threads < 0:
+        print("llmlib bench generate: --new-tokens and --runs must be >= 1", file=sys.stderr)
+        return 2
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     try:
         res = run(args, log)
