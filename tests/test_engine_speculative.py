@@ -82,13 +82,17 @@ def test_engine_ngram_stop_strings_and_a_tight_pool_match_plain_decoding(model):
         SamplingParams(temperature=0.0, max_tokens=n + 10, ignore_eos=True, stop=["ab", "zz"])
         for n in max_tokens
     ]
-    plain = _engine(model, None, num_blocks=40).generate(prompts, params, use_tqdm=False)
+    base = _engine(model, None, num_blocks=40)
+    plain = base.generate(prompts, params, use_tqdm=False)
     llm = _engine(model, SpeculativeConfig("ngram", 6, prompt_lookup_min=2), num_blocks=40)
     spec = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].text == b.outputs[0].text
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    st = llm.stats()
+    assert st.spec_accepted > 0 and base.stats().preemptions > 0  # the pool was tight
+    assert st.preemptions <= base.stats().preemptions  # proposals never cost a preemption
     assert llm.block_manager.num_free_blocks == 40
     llm.block_manager.check_consistency([])
 

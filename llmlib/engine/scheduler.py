@@ -145,8 +145,10 @@ class Scheduler:
             # speculative proposals ride along when the budget and the pool have room for them
             n = seq.num_tokens - seq.num_computed_tokens
             draft = seq.draft_tokens if n == 1 and n + len(seq.draft_tokens) <= budget else []
-            if draft and not self.bm.can_append(seq, len(draft)):
-                draft = []
+            if draft:  # never at the price of a preemption: leave a block for each one after
+                need = self.bm.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_table)
+                if need > self.bm.num_free_blocks - (len(self.running) - i - 1):
+                    draft = []
             while not self.bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
