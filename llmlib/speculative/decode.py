@@ -13,6 +13,7 @@ pass writes its own keys there before attending (:meth:`llmlib.kv_cache.KVCache.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +93,6 @@ class Speculator:
     ) -> Iterator[int]:
         """Yield up to ``budget`` tokens after ``seq`` (the prompt and the first token, which the
         cache does not hold yet). Appends every step's seconds and token count to ``timing``."""
-        import time
-
         self.proposer.start(cache)
         choose = chooser(params, generator)
         seq = list(seq)
