@@ -117,7 +117,13 @@ LAYERS = [
         "llmlib.structured",
         "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
-    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
+    {
+        "llmlib.checkpoints",
+        "llmlib.generate",
+        "llmlib.cuda_graphs",
+        "llmlib.perplexity",
+        "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
+    },
     {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]

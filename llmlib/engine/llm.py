@@ -30,6 +30,7 @@ from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
 from llmlib.engine.scheduler import Scheduler, SchedulerStats
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+from llmlib.engine.speculate import engine_speculator
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
 from llmlib.shapes import kv_cache_bytes as kv_formula
@@ -80,6 +81,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
+        speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         if tensor_parallel_size != 1:
@@ -146,6 +148,7 @@ class LLM:
                     max_model_len=max_len,
                 )
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+            self._spec = engine_speculator(speculative_config, self._tp is not None)
             self._requests: dict[str, EngineRequest] = {}
             self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
             self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
@@ -284,6 +287,8 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize. Returns an output for every request that got
         a token this step (finished ones included); each carries the delta since the last report."""
+        if self._spec is not None:
+            self._spec.propose(self.scheduler.running, self.max_model_len)
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -299,7 +304,7 @@ class LLM:
             for pos, e in entries:
                 req.prompt_logprobs[pos] = e
         forked = [s for c in chunks if c.samples and c.seq.forks for s in self._fork(c, res)]
-        touched = self.scheduler.postprocess(chunks, res.tokens) + forked
+        touched = self.scheduler.postprocess(chunks, res.tokens, res.accepted) + forked
         reqs: dict[str, EngineRequest] = {}
         for seq in touched:
             req, choice = self._by_seq[seq.seq_id]
@@ -395,6 +400,8 @@ class LLM:
             peak_used_blocks=st.peak_used_blocks,
             slots_allocated=st.slots_allocated,
             slots_used=st.slots_used,
+            spec_proposed=s.spec_proposed,
+            spec_accepted=s.spec_accepted,
         )
 
     def reset_stats(self) -> None:
