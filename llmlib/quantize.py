@@ -176,6 +176,14 @@ class PackedWeight(nn.Module):
         raise NotImplementedError
 
 
+# PyTorch's CPU int8 kernel, with bfloat16 activations, reads past the end of a row whose width is
+# not a multiple of 16: wrong products, or a crash (found on the families' odd test widths; float32
+# and float16 were fine). Such matrices get zero columns up to the next multiple whatever the
+# dtype (a later ``.to(bfloat16)`` must not meet the bug), and each input as many zeros: the same
+# products, exactly. Real models' widths are multiples already, so they pay nothing.
+_INT8_BF16_WIDTH = 16
+
+
 class Int8Weight(PackedWeight):
     """int8 codes ``[out, in]`` and per-row scales: ``_weight_int8pack_mm(x, q, scales)``."""
 
@@ -183,14 +191,22 @@ class Int8Weight(PackedWeight):
 
     def __init__(self, codes: ChannelCodes, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(codes.shape)
-        self.register_buffer("q", codes.q.to(device=device, dtype=torch.int8).contiguous())
+        q = codes.q.to(device=device, dtype=torch.int8)
+        k = q.shape[1]
+        self.pad = -k % _INT8_BF16_WIDTH
+        if self.pad:
+            q = torch.nn.functional.pad(q, (0, self.pad))
+        self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", codes.scale.to(device=device, dtype=dtype).contiguous())
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            x = torch.nn.functional.pad(x, (0, self.pad))
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].to(self.dtype) * self.scale[ids, None]
+        q = self.q[ids][..., : self.shape[1]]
+        return q.to(self.dtype) * self.scale[ids, None]
 
 
 # PyTorch's AVX-512 int4 layout packs 64 output channels at a time: for each input column k,

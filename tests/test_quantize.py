@@ -254,6 +254,24 @@ def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
     assert (a - b).norm() / a.norm() < 0.02
 
 
+@pytest.mark.parametrize("k", [40, 47, 72])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int8_bfloat16_on_widths_the_kernel_mishandles(k: int, m: int) -> None:
+    """PyTorch's int8 kernel with bfloat16 inputs misreads rows whose width is not a multiple of
+    16 (wrong numbers, or a crash); the padded weight gives the float product on every width."""
+    w = torch.randn(30, k, generator=torch.Generator().manual_seed(3))
+    codes = quantize_int8(w)
+    packed = pack(codes, torch.bfloat16, "cpu")
+    x = _x(k, m, torch.bfloat16)
+    ref = x.float() @ codes.dequantize().T
+    got = packed.linear(x).float()
+    assert got.shape == (m, 30)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    rows = packed.rows(torch.tensor([0, 29]))
+    assert rows.shape == (2, k)
+    assert torch.allclose(rows.float(), codes.dequantize()[[0, 29]], rtol=1e-2, atol=1e-2)
+
+
 def test_compiling_onednn_bfloat16_is_refused_by_name() -> None:
     """inductor cannot lower oneDNN's opaque layout: the Generator and the bench say so at once."""
     from llmlib.bench.formats import parse_formats
