@@ -58,6 +58,11 @@ class LLM:
     ``dtype`` and ``quantization`` choose the format (:func:`llmlib.load_model`); for a path with
     neither given, the fastest one whose perplexity stays within 1% of float32 on this machine
     (:func:`llmlib.device.choose_format`). ``llm.model.weight_format`` says which ran.
+
+    ``batch_invariant=True`` makes every request's logits bitwise the same whatever else runs in
+    its steps, however its prompt is chunked, after a preemption and with or without cached
+    prefix blocks (:mod:`llmlib.engine.invariant`): temperature 0, and a seeded temperature > 0,
+    then reproduce exactly. It costs throughput (``llmlib bench batching --batch-invariant``).
     """
 
     def __init__(
@@ -79,7 +84,12 @@ class LLM:
         cuda_graphs: bool | None = None,
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
+        batch_invariant: bool = False,
     ) -> None:
+        if batch_invariant and tensor_parallel_size != 1:
+            raise ValueError("batch_invariant=True is not implemented with tensor parallelism")
+        #: every request's logits bitwise independent of its batch (llmlib.engine.invariant)
+        self.batch_invariant = bool(batch_invariant)
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
@@ -162,6 +172,7 @@ class LLM:
                     cuda_graphs=cuda_graphs,
                     max_graph_rows=max_num_seqs,
                     max_model_len=max_len,
+                    batch_invariant=self.batch_invariant,
                 )
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
             self._requests: dict[str, EngineRequest] = {}
