@@ -19,12 +19,12 @@ mode:
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
 * attention (:class:`InvariantStep`) cuts every sequence's queries into tiles of ``Q_TILE``
   positions aligned to absolute positions (position ``p`` is always row ``p % Q_TILE`` of its
-  tile), and walks the keys from position 0 in tiles of ``K_TILE`` with an online softmax. A
-  query's sums then depend only on its position and its sequence's keys: not on how its prompt
-  was chunked, whether it is a prompt token or a decoded one (so a recompute after preemption
-  rebuilds the same keys and values), nor on which other sequences share the step (tiles beyond
-  a query's last key are fully masked, and a fully masked tile leaves the running sums exactly
-  as they were: ``exp(-inf) = 0``, a correction of ``exp(0) = 1``).
+  tile), and walks the keys from position 0 in tiles of ``K_TILE`` with an online softmax, each
+  query tile only as far as its last query's position. A query's sums then depend only on its
+  position and its sequence's keys: not on how its prompt was chunked, whether it is a prompt
+  token or a decoded one (so a recompute after preemption rebuilds the same keys and values),
+  nor on which other sequences share the step (the masked keys of a tile's last key tile add
+  exact zeros, and batched products compute each tile's matrices as if alone).
 
 The products run in whatever format the model was loaded in (bfloat16 in oneDNN's layout by
 default on a CPU with AMX, float32 elsewhere): fixing the shape is what makes any deterministic
@@ -45,20 +45,22 @@ from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_k
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
 ROW_TILE = 32
 #: query positions per attention tile, and keys per key tile
-Q_TILE = 8
+Q_TILE = 2
 K_TILE = 64
 
 
 @dataclass
 class _Tiles:
-    """Where each query tile's rows come from and which keys it reads (built once per step)."""
+    """Where each query tile's rows come from and which keys it reads (built once per step).
+
+    Tiles are sorted by how many key tiles they read, most first, so the tiles still reading at
+    key tile ``j`` are the first ``active[j]``: a prefix, sliced without copies."""
 
     q_index: torch.Tensor  # [U * Q_TILE] flat token index of each row (padding: B * T)
-    slots: torch.Tensor  # [U, J * K_TILE] pool slot of every key position of every tile
-    visible: torch.Tensor  # [U, Q_TILE, J * K_TILE] key position <= the row's query position
-    k_pos: torch.Tensor  # [J * K_TILE]
-    q_pos: torch.Tensor  # [U, Q_TILE]
-    n_ktiles: int
+    q_pos: torch.Tensor  # [U, Q_TILE] each row's position (padding rows: the tile's last)
+    active: list[int]  # per key tile, how many query tiles read it
+    rows: list[torch.Tensor]  # per key tile [active * Hkv * K_TILE]: pool rows, head-major
+    hidden: list[torch.Tensor]  # per key tile [active, 1, Q_TILE, K_TILE]: key after query
 
 
 class InvariantStep(PagedStep):
@@ -74,48 +76,70 @@ class InvariantStep(PagedStep):
         super().__init__(cache, rows)
         self.q_tile, self.k_tile = q_tile, k_tile
         self.tiles = self._plan()
+        self._windowed: dict[int, list[torch.Tensor]] = {}
 
     def _plan(self) -> _Tiles:
         bs, qt, kt = self.cache.block_size, self.q_tile, self.k_tile
+        Hkv = self.cache.n_kv_heads
         B, T = self.shape
-        q_index, q_pos, last, tables = [], [], [], []
+        units = []  # (key tiles, row indices, row positions, block table)
         for b, row in enumerate(self.rows):
             t0 = 0
             for c in row:
                 end = c.start + c.length
                 blocks = [int(x) for x in c.block_table[: -(-end // bs)]]
                 for u in range(c.start // qt, (end - 1) // qt + 1):
-                    pos = torch.arange(u * qt, (u + 1) * qt)
-                    real = (pos >= c.start) & (pos < end)
-                    top = int(pos[real].max())  # the tile's last real query
-                    q_index.append(torch.where(real, b * T + t0 + pos - c.start, B * T))
-                    # padding rows look at the same keys as the last real one: finite, unread
-                    q_pos.append(torch.where(real, pos, top))
-                    last.append(top)
-                    tables.append(blocks)
+                    top = min(end, (u + 1) * qt) - 1  # the tile's last real query
+                    idx, pos = [], []
+                    for p in range(u * qt, (u + 1) * qt):
+                        real = c.start <= p < end
+                        idx.append(b * T + t0 + p - c.start if real else B * T)
+                        # padding rows look at the same keys as the last real one: finite, unread
+                        pos.append(p if real else top)
+                    units.append((top // kt + 1, idx, pos, blocks))
                 t0 += c.length
-        U = len(last)
-        last_t = torch.tensor(last)
-        J = int(last_t.max()) // kt + 1
-        k_pos = torch.arange(J * kt)
-        nb = max(len(t) for t in tables)
+        units.sort(key=lambda x: -x[0])  # stable: most key tiles first
+        U, J = len(units), units[0][0]
+        nb = max(len(x[3]) for x in units)
         table = torch.zeros((U, nb), dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.as_tensor(t)
+        for i, x in enumerate(units):
+            table[i, : len(x[3])] = torch.as_tensor(x[3])
+        q_pos = torch.tensor([x[2] for x in units])
+        last = q_pos.amax(1)
+        k_pos = torch.arange(J * kt)
         # keys beyond a tile's last query read position 0 (a real key) and are masked
-        kidx = torch.where(k_pos[None, :] <= last_t[:, None], k_pos[None, :], 0)
-        slots = table.gather(1, kidx // bs) * bs + kidx % bs
-        q_pos_t = torch.stack(q_pos)
-        visible = k_pos[None, None, :] <= q_pos_t[:, :, None]
+        kidx = torch.where(k_pos[None, :] <= last[:, None], k_pos[None, :], 0)
+        slots = table.gather(1, kidx // bs) * bs + kidx % bs  # [U, J * kt]
+        # the pool viewed as [slots * Hkv, D]: row slot * Hkv + h, gathered head-major
+        pool_rows = slots[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]
+        hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [U, qt, J * kt]
+        counts = torch.tensor([x[0] for x in units])
+        active = [int((counts > j).sum()) for j in range(J)]
         dev = self.cache.device
         return _Tiles(
-            torch.cat(q_index).to(dev),
-            slots.to(dev),
-            visible.to(dev),
-            k_pos.to(dev),
-            q_pos_t.to(dev),
-            J,
+            torch.tensor([i for x in units for i in x[1]]).to(dev),
+            q_pos.to(dev),
+            active,
+            [
+                pool_rows[:n, :, j * kt : (j + 1) * kt].reshape(-1).to(dev)
+                for j, n in enumerate(active)
+            ],
+            [hidden[:n, None, :, j * kt : (j + 1) * kt].to(dev) for j, n in enumerate(active)],
         )
+
+    def _hidden(self, window: int | None) -> list[torch.Tensor]:
+        """Per key tile, the keys each query row may not see (after it; beyond its window)."""
+        tl = self.tiles
+        if window is None:
+            return tl.hidden
+        if window not in self._windowed:
+            kt, out = self.k_tile, []
+            for j, (n, h) in enumerate(zip(tl.active, tl.hidden)):
+                k_pos = torch.arange(j * kt, (j + 1) * kt, device=h.device)
+                far = k_pos[None, None, :] <= tl.q_pos[:n, :, None] - window
+                out.append(h | far[:, None])
+            self._windowed[window] = out
+        return self._windowed[window]
 
     def attend(
         self,
@@ -147,31 +171,29 @@ class InvariantStep(PagedStep):
         # [U, qt, Hkv, rep, D] -> [U, Hkv, rep * qt, D]: the query heads sharing a KV head
         Q = flat[tl.q_index].view(U, qt, Hkv, rep, D).permute(0, 2, 3, 1, 4)
         Q = Q.reshape(U, Hkv, R, D).float()
-        vis = tl.visible
-        if window is not None:
-            vis = vis & (tl.k_pos[None, None, :] > tl.q_pos[:, :, None] - window)
-        # [U, 1, rep * qt, S]: the same mask for every head of a KV group
-        vis = vis[:, None].expand(U, rep, qt, -1).reshape(U, 1, R, -1)
-        kpool = self.cache.k[layer].view(-1, Hkv, D)
-        vpool = self.cache.v[layer].view(-1, Hkv, D)
+        if softcap is None:
+            Q = Q * scale  # the same product for every query: fold the scale in once
+        kpool = self.cache.k[layer].view(-1, D)
+        vpool = self.cache.v[layer].view(-1, D)
         dev = q.device
         m = torch.full((U, Hkv, R, 1), float("-inf"), device=dev)
         l = torch.zeros((U, Hkv, R, 1), device=dev)  # noqa: E741 - the softmax denominator
         acc = torch.zeros((U, Hkv, R, D), device=dev)
-        for j in range(tl.n_ktiles):
-            sl = tl.slots[:, j * kt : (j + 1) * kt].reshape(-1)
-            kj = kpool.index_select(0, sl).view(U, kt, Hkv, D).permute(0, 2, 3, 1).float()
-            vj = vpool.index_select(0, sl).view(U, kt, Hkv, D).transpose(1, 2).float()
-            s = torch.matmul(Q, kj.contiguous()) * scale  # [U, Hkv, R, kt]
+        for n, idx, hid in zip(tl.active, tl.rows, self._hidden(window)):
+            kj = kpool.index_select(0, idx).view(n, Hkv, kt, D).float()
+            vj = vpool.index_select(0, idx).view(n, Hkv, kt, D).float()
+            s = torch.matmul(Q[:n], kj.transpose(-1, -2))  # [n, Hkv, R, kt]
             if softcap is not None:
-                s = soft_cap(s, softcap)
-            s = s.masked_fill(~vis[..., j * kt : (j + 1) * kt], float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            p = torch.exp(s - m_new)
-            corr = torch.exp(m - m_new)
-            l = l * corr + p.sum(dim=-1, keepdim=True)  # noqa: E741
-            acc = acc * corr + torch.matmul(p, vj.contiguous())
-            m = m_new
+                s = soft_cap(s * scale, softcap)
+            # rows are (head in group, query in tile): the mask repeats over the heads
+            s.view(n, Hkv, rep, qt, kt).masked_fill_(hid[:, :, None], float("-inf"))
+            mn = m[:n]
+            m_new = torch.maximum(mn, s.amax(dim=-1, keepdim=True))
+            p = s.sub_(m_new).exp_()
+            corr = (mn - m_new).exp_()
+            l[:n].mul_(corr).add_(p.sum(dim=-1, keepdim=True))
+            acc[:n].mul_(corr).add_(torch.matmul(p, vj))
+            mn.copy_(m_new)
         o = (acc / l).view(U, Hkv, rep, qt, D).permute(0, 3, 1, 2, 4).reshape(U * qt, H, D)
         out = q.new_zeros(B * T + 1, H, D)
         out[tl.q_index] = o.to(q.dtype)  # padding rows all land in the extra row
