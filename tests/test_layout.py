@@ -118,7 +118,8 @@ LAYERS = [
         "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
     {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
-    {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
+    # the engine, the engine split over ranks, and measurements of the engine
+    {"llmlib.engine", "llmlib.parallel", "llmlib.invariance"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 
