@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "AsyncLLM": "llmlib.engine",
     "SamplingParams": "llmlib.sampling",
     "perplexity": "llmlib.perplexity",
+    "SpeculativeConfig": "llmlib.speculative",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

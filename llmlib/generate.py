@@ -27,6 +27,7 @@ from llmlib.kv_cache import KVCache
 from llmlib.linear import use_matvec_layout
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams, sample
+from llmlib.speculative import SpecStats, SpeculativeConfig, Speculator
 from llmlib.text import TextStream
 
 # ---- results ---------------------------------------------------------------------------------
@@ -38,6 +39,13 @@ class Timing:
 
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)  # one entry per decode step
+    # tokens each step produced, where a step may produce several (speculative decoding);
+    # empty: one each
+    step_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(self.step_tokens) if self.step_tokens else len(self.step_s)
 
     @property
     def decode_s(self) -> float:
@@ -49,15 +57,17 @@ class Timing:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Decode speed alone: tokens per second of the one-token steps."""
+        """Decode speed alone: tokens per second of the steps after prefill."""
         return (
-            len(self.step_s) / self.decode_s if self.step_s and self.decode_s > 0 else float("nan")
+            self.decode_tokens / self.decode_s
+            if self.step_s and self.decode_s > 0
+            else float("nan")
         )
 
     @property
     def tokens_per_s(self) -> float:
         """New tokens over the whole time, prefill included (what a user waits for)."""
-        n = len(self.step_s) + (1 if self.prefill_s else 0)
+        n = self.decode_tokens + (1 if self.prefill_s else 0)
         return n / self.total_s if self.total_s > 0 else float("nan")
 
 
@@ -70,6 +80,7 @@ class GenerationResult:
     prompt_ids: list[int] = field(default_factory=list)
     prompt: str = ""  # the prompt as the model saw it (after the chat template)
     token_texts: list[str] = field(default_factory=list)  # each new token on its own (bytes → text)
+    speculative: SpecStats | None = None  # proposed/accepted counts, with speculative decoding
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -85,6 +96,10 @@ class Generator:
     fastest (:func:`llmlib.linear.use_matvec_layout`; :func:`llmlib.load_model` already does this
     on CPU, so for a loaded model this is a no-op); ``decode_layout=False`` leaves the model
     untouched.
+
+    ``speculative`` (a :class:`~llmlib.speculative.SpeculativeConfig`) turns on speculative
+    decoding: the output is the same (greedy) or has the same distribution (sampling); requests
+    with penalties or a logit bias decode plainly.
     """
 
     def __init__(
@@ -94,6 +109,7 @@ class Generator:
         max_len: int | None = None,
         decode_layout: bool | None = None,
         compile: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -121,7 +137,15 @@ class Generator:
         self._step = decode_step
         self.compile_s: float | None = None
         if self.compile:
+            _check_compilable(model)
             self._step = torch.compile(decode_step)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
+            )
+        if speculative is not None and self.compile:
+            raise ValueError("speculative decoding runs eagerly: pass compile=False")
+        self.speculator = Speculator(speculative, model) if speculative is not None else None
 
     @property
     def weight_format(self) -> str:
@@ -186,6 +210,13 @@ class Generator:
         tid = int(tok[0])  # the one host sync per step: we need the id for EOS, stops and text
         timing.prefill_s = time.perf_counter() - t0
         yield tid
+        if self.speculator is not None and not params.penalized:
+            self._stats = SpecStats()
+            yield from self.speculator.decode(
+                [*prompt_ids, tid], cache, self._positions, params, gens[0],
+                max_new_tokens - 1, timing, self._stats,
+            )  # fmt: skip
+            return
         for pos in range(n, n + max_new_tokens - 1):
             if seen is not None:
                 seen[0].append(tid)
@@ -232,6 +263,7 @@ class Generator:
             prompt=text_prompt,
         )
         self.last_result = None
+        self._stats: SpecStats | None = None
         for tid in self._tokens(prompt_ids, params, budget, timing):
             result.token_ids.append(tid)
             result.token_texts.append(
@@ -251,6 +283,7 @@ class Generator:
         if piece:
             yield piece
         result.text = text.text
+        result.speculative = self._stats
         self.last_result = result
 
     def _request(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
@@ -313,6 +346,20 @@ class Generator:
         return self._run(*self._prepare(prompt, params, chat), params)
 
 
+def _check_compilable(model: torch.nn.Module) -> None:
+    """Refuse, at construction, what inductor cannot lower: oneDNN's opaque bfloat16 layout."""
+    from llmlib.quantize import OneDNNWeight
+
+    held = [n for n, m in model.named_modules() if isinstance(m, OneDNNWeight)]
+    if held:
+        raise ValueError(
+            f"Generator(compile=True): {len(held)} bfloat16 matrices ({held[0]}, ...) are held in "
+            "oneDNN's blocked layout, which torch.compile cannot lower; run bfloat16 eagerly "
+            "(that layout is its fast path on this CPU) or compile quantization='int8', 'int4' "
+            "or 'gguf'"
+        )
+
+
 def decode_step(
     model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
 ) -> torch.Tensor:
@@ -329,6 +376,7 @@ def load_generator(
     *,
     group_size: int = 32,
     compile: bool = False,
+    speculative: SpeculativeConfig | None = None,
 ) -> Generator:
     """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2),
     with the weights in ``dtype``/``quantization`` (:func:`llmlib.load_model`)."""
@@ -336,4 +384,4 @@ def load_generator(
 
     path = resolve_model_path(path)
     model = load_model(path, device, dtype, quantization, group_size=group_size)
-    return Generator(model, load_tokenizer_for(path), compile=compile)
+    return Generator(model, load_tokenizer_for(path), compile=compile, speculative=speculative)

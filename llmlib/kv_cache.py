@@ -106,6 +106,24 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
 
+    def layer_view(self, n_layers: int) -> KVCache:
+        """A cache over this one's first ``n_layers`` layers: the same memory, its own ``length``.
+
+        Speculative decoding's early-exit draft runs the target's own first layers, so the keys
+        and values it computes for the tokens already accepted are the target's own: the draft
+        reads them here instead of keeping a copy. What the draft writes past the target's
+        ``length`` the target's verification pass overwrites before anything reads it.
+        """
+        if not 1 <= n_layers <= self.n_layers:
+            raise ValueError(f"a view of 1..{self.n_layers} layers, got {n_layers}")
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:n_layers], self.v[:n_layers]
+        view.n_layers, view.batch, view.max_len = n_layers, self.batch, self.max_len
+        view.length = self.length
+        view._masks = {}
+        view._all_true = self._all_true
+        return view
+
     def update(
         self,
         layer: int,

@@ -75,11 +75,13 @@ class Transformer(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCacheLike | AttendingCache | None = None,
+        n_layers: int | None = None,
     ) -> torch.Tensor:
         """The residual stream after the last block, ``[B, T, d_model]``: everything but the head.
 
         A caller that needs only some positions' scores (the batching engine samples at the end of
-        each packed sequence) picks those rows and hands them to :meth:`logits`.
+        each packed sequence) picks those rows and hands them to :meth:`logits`. ``n_layers`` stops
+        after the first blocks (speculative decoding's early-exit draft).
         """
         if ids.dim() != 2:
             raise ValueError(f"ids must be [batch, seq_len], got shape {tuple(ids.shape)}")
@@ -88,12 +90,13 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=ids.device).expand(B, T)
         x = self.embed(ids)
         cos, sin = self.rope(positions, x.dtype)
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
         if self.rope_local is None:
-            for layer in self.layers:
+            for layer in layers:
                 x = layer(x, cos, sin, positions, cache)
             return x
         local = self.rope_local(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             c, s = local if i in self._local_layers else (cos, sin)
             x = layer(x, c, s, positions, cache)
         return x

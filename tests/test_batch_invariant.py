@@ -130,7 +130,7 @@ def test_fixed_row_tiles_make_a_row_independent_of_the_row_count():
 
 
 def test_tensor_parallel_is_refused():
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    with pytest.raises(ValueError, match="batch_invariant=True with tensor_parallel_size=2"):
         LLM(tiny(torch.float32), batch_invariant=True, tensor_parallel_size=2)
 
 

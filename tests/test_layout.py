@@ -117,7 +117,13 @@ LAYERS = [
         "llmlib.structured",
         "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
-    {"llmlib.checkpoints", "llmlib.generate", "llmlib.cuda_graphs", "llmlib.perplexity"},
+    {
+        "llmlib.checkpoints",
+        "llmlib.generate",
+        "llmlib.cuda_graphs",
+        "llmlib.perplexity",
+        "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
+    },
     # the engine, the engine split over ranks, and measurements of the engine
     {"llmlib.engine", "llmlib.parallel", "llmlib.invariance"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},

@@ -254,6 +254,21 @@ def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
     assert (a - b).norm() / a.norm() < 0.02
 
 
+def test_compiling_onednn_bfloat16_is_refused_by_name() -> None:
+    """inductor cannot lower oneDNN's opaque layout: the Generator and the bench say so at once."""
+    from llmlib.bench.formats import parse_formats
+    from llmlib.linear import prepare_cpu_weights
+
+    model = random_model(TINY, "cpu", torch.bfloat16)
+    prepare_cpu_weights(model)
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    with pytest.raises(ValueError, match="oneDNN's blocked layout"):
+        Generator(model, tok, compile=True)
+    with pytest.raises(ValueError, match="bfloat16\\+compile"):
+        parse_formats("float32,bfloat16+compile")
+    assert parse_formats("float32,gguf+compile") == [("float32", False), ("gguf", True)]
+
+
 def test_engine_kv_pool_in_the_models_dtype() -> None:
     """The batching engine's pool follows the activations' dtype, and its allocation is chapter
     8's formula per block."""

@@ -48,7 +48,10 @@ PROMPTS = [
     list(range(100, 140)),  # longer than the step budget: chunked prefill
     [7, 7, 7, 7, 7, 7, 7],
 ]
-ENGINE = dict(num_blocks=16, block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
+# float32 on both sides: the comparison is of the split, not of a format
+ENGINE = dict(
+    num_blocks=16, block_size=4, max_num_batched_tokens=16, max_num_seqs=6, dtype="float32"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -188,7 +191,7 @@ def test_smollm2_tp3_equals_tp1(smollm2_path: Path) -> None:
     it.)"""
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    kw = dict(num_blocks=16, block_size=16)
+    kw = dict(num_blocks=16, block_size=16, dtype="float32")
     ref = llmlib.LLM(smollm2_path, **kw)
     ref_logits = _record_logits(ref)
     ref_out = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
@@ -303,3 +306,8 @@ def test_torchrun_launches_the_same_ranks(tmp_path: Path) -> None:
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=80)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == want.strip()
+
+
+def test_quantization_with_tp_is_refused_before_any_rank_starts(untied) -> None:
+    with pytest.raises(ValueError, match="quantization='int8' with tensor_parallel_size=2"):
+        llmlib.LLM(untied, tensor_parallel_size=2, quantization="int8")

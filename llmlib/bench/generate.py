@@ -22,7 +22,9 @@ import sys
 
 import torch
 
+from llmlib.bench import speculative as spec_bench
 from llmlib.device import timings
+from llmlib.speculative.config import SPEC_HELP
 
 PROMPT = "What is a quadratic equation?"
 
@@ -153,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="with --formats: skip resident memory")
     ap.add_argument("--no-llama-cpp", action="store_true", help="with --formats: skip llama.cpp")
     ap.add_argument("--out", default=None, help="with --formats: also write the JSON here")
+    ap.add_argument(
+        "--speculative",
+        default=None,
+        metavar="SPEC[,SPEC]",
+        help="compare speculative decoding with plain instead (its options: llmlib bench "
+        "speculative --help); " + SPEC_HELP,
+    )
+    if any(a.startswith("--speculative") for a in argv or []):
+        return spec_bench.main(argv)
     args = ap.parse_args(argv)
     if args.formats:
         return _formats_main(args)

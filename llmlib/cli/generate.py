@@ -7,6 +7,7 @@ import sys
 
 from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
 from llmlib.generate import load_generator
+from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--compile", action="store_true", help="torch.compile the decode step (compiles once)"
     )
+    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
     add_model_args(ap)
     ap.add_argument(
         "--tensor-parallel-size",
@@ -39,12 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_sampling_args(ap)
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1 and args.speculative:
+        print("llmlib generate: --speculative runs on one rank only", file=sys.stderr)
+        return 2
     if args.tensor_parallel_size > 1:
         return _sharded(args)
     try:
         params = sampling_params(args)
+        spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
         gen = load_generator(
-            *generator_args(args), group_size=args.group_size, compile=args.compile
+            *generator_args(args),
+            group_size=args.group_size,
+            compile=args.compile,
+            speculative=spec,
         )
         if args.compile:
             gen.warmup()  # compile now, so the timing line reports decode, not compilation
@@ -73,10 +82,21 @@ def main(argv: list[str] | None = None) -> int:
             f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s; "
             f"weights {gen.weight_format}"
             + (f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else "")
+            + _spec_note(out)
             + "]",
             file=sys.stderr,
         )
     return 0
+
+
+def _spec_note(out) -> str:
+    s = out.speculative
+    if s is None:
+        return ""
+    return (
+        f"; speculative: {s.accepted}/{s.proposed} proposed tokens accepted, "
+        f"{s.mean_accepted:.2f} per verification over {s.verifications}"
+    )
 
 
 def _sharded(args: argparse.Namespace) -> int:

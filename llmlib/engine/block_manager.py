@@ -224,14 +224,15 @@ class BlockManager:
         child.num_cached_tokens = parent.num_cached_tokens
         return copies
 
-    def can_append(self, seq: SequenceView) -> bool:
-        """Is there room for the sequence's tokens (one more block at most)?"""
-        missing = self.blocks_for(len(seq.token_ids)) - len(seq.block_table)
+    def can_append(self, seq: SequenceView, lookahead: int = 0) -> bool:
+        """Is there room for the sequence's tokens (and ``lookahead`` proposed ones after them)?"""
+        missing = self.blocks_for(len(seq.token_ids) + lookahead) - len(seq.block_table)
         return missing <= len(self.free)
 
-    def append_slots(self, seq: SequenceView) -> None:
-        """Grow the block table so it covers every token of the sequence (after a decode step)."""
-        while len(seq.block_table) * self.block_size < len(seq.token_ids):
+    def append_slots(self, seq: SequenceView, lookahead: int = 0) -> None:
+        """Grow the block table so it covers every token of the sequence (after a decode step),
+        and ``lookahead`` slots more for tokens proposed by speculative decoding."""
+        while len(seq.block_table) * self.block_size < len(seq.token_ids) + lookahead:
             if not self.free:
                 raise RuntimeError(
                     "append_slots: no free block (the scheduler should have preempted)"
@@ -259,6 +260,21 @@ class BlockManager:
                 block.hash = block_hash(parent, chunk)
                 block.token_ids = chunk
                 self.hash_to_block.setdefault(block.hash, block.block_id)
+
+    def trim(self, seq: SequenceView) -> int:
+        """Return the blocks past the sequence's tokens (speculative decoding's refused
+        proposals held them); they were never computed, so they go back empty. Returns how many."""
+        keep = max(self.blocks_for(len(seq.token_ids)), 0)
+        extra = seq.block_table[keep:]
+        for bid in reversed(extra):
+            block = self.blocks[bid]
+            if block.ref_count != 1 or block.computed:
+                raise RuntimeError(f"trim: block {bid} is shared or computed")
+            block.ref_count = 0
+            block.reset()
+            self.free[bid] = None
+        del seq.block_table[keep:]
+        return len(extra)
 
     def free_seq(self, seq: SequenceView) -> None:
         """Return a sequence's blocks (finished, aborted or preempted): drop one reference each.

@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from llmlib.engine.block_manager import BlockManager
+from llmlib.engine.load import load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
 from llmlib.engine.scheduler import Scheduler, SchedulerStats
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+from llmlib.engine.speculate import engine_speculator
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
 from llmlib.shapes import kv_cache_bytes as kv_formula
@@ -58,11 +60,6 @@ class LLM:
     ``dtype`` and ``quantization`` choose the format (:func:`llmlib.load_model`); for a path with
     neither given, the fastest one whose perplexity stays within 1% of float32 on this machine
     (:func:`llmlib.device.choose_format`). ``llm.model.weight_format`` says which ran.
-
-    ``batch_invariant=True`` makes every request's logits bitwise the same whatever else runs in
-    its steps, however its prompt is chunked, after a preemption and with or without cached
-    prefix blocks (:mod:`llmlib.engine.invariant`): temperature 0, and a seeded temperature > 0,
-    then reproduce exactly. It costs throughput (``llmlib bench batching --batch-invariant``).
     """
 
     def __init__(
@@ -84,46 +81,25 @@ class LLM:
         cuda_graphs: bool | None = None,
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
-        batch_invariant: bool = False,
+        speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
+        batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
     ) -> None:
-        if batch_invariant and tensor_parallel_size != 1:
-            raise ValueError("batch_invariant=True is not implemented with tensor parallelism")
-        #: every request's logits bitwise independent of its batch (llmlib.engine.invariant)
-        self.batch_invariant = bool(batch_invariant)
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
+            if quantization is not None or batch_invariant:
+                what = f"quantization={quantization!r}" if quantization else "batch_invariant=True"
+                raise ValueError(
+                    f"LLM: {what} with tensor_parallel_size="
+                    f"{tensor_parallel_size}: not implemented for sharded ranks, for now"
+                )
             self._tp, model_obj, tokenizer = start_engine(
                 model, tensor_parallel_size, device, dtype, tokenizer, tp_options
             )
             cuda_graphs = False  # each step is a round of collectives: no graph replay
-        elif isinstance(model, (str, Path)):
-            from llmlib.checkpoints import load_model, load_tokenizer_for
-            from llmlib.device import choose_format
-
-            path = Path(model)
-            # neither dtype nor quantization given: the fastest accurate format for this machine
-            place, quantization = choose_format(
-                device, dtype, quantization, gguf_blocks=path.suffix == ".gguf", batched=True
-            )
-            model_obj = load_model(path, place.device, place.dtype, quantization)
-            if tokenizer is None:
-                tokenizer = load_tokenizer_for(path, required=False)
-        elif isinstance(model, torch.nn.Module):
-            model_obj = model
-            if device is not None or dtype is not None:
-                model_obj = model_obj.to(
-                    device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None
-                )
-            if quantization is not None:
-                from llmlib.quantize import quantize_model
-
-                model_obj = quantize_model(model_obj, quantization)
         else:
-            raise TypeError(
-                f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
-            )
+            model_obj, tokenizer = load_engine_model(model, tokenizer, device, dtype, quantization)
         try:  # a sharded engine that fails to finish starting stops its ranks
             self.model = model_obj.eval()
             self.tokenizer = tokenizer
@@ -172,9 +148,10 @@ class LLM:
                     cuda_graphs=cuda_graphs,
                     max_graph_rows=max_num_seqs,
                     max_model_len=max_len,
-                    batch_invariant=self.batch_invariant,
+                    batch_invariant=batch_invariant,
                 )
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+            self._spec = engine_speculator(speculative_config, self._tp is not None)
             self._requests: dict[str, EngineRequest] = {}
             self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
             self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
@@ -313,6 +290,8 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize. Returns an output for every request that got
         a token this step (finished ones included); each carries the delta since the last report."""
+        if self._spec is not None:
+            self._spec.propose(self.scheduler.running, self.max_model_len)
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -328,7 +307,7 @@ class LLM:
             for pos, e in entries:
                 req.prompt_logprobs[pos] = e
         forked = [s for c in chunks if c.samples and c.seq.forks for s in self._fork(c, res)]
-        touched = self.scheduler.postprocess(chunks, res.tokens) + forked
+        touched = self.scheduler.postprocess(chunks, res.tokens, res.accepted) + forked
         reqs: dict[str, EngineRequest] = {}
         for seq in touched:
             req, choice = self._by_seq[seq.seq_id]
@@ -424,6 +403,8 @@ class LLM:
             peak_used_blocks=st.peak_used_blocks,
             slots_allocated=st.slots_allocated,
             slots_used=st.slots_used,
+            spec_proposed=s.spec_proposed,
+            spec_accepted=s.spec_accepted,
         )
 
     def reset_stats(self) -> None:

@@ -132,6 +132,8 @@ class EngineStats:
     peak_used_blocks: int = 0
     slots_allocated: int = 0  # summed over steps: slots in blocks held by running sequences
     slots_used: int = 0  # summed over steps: of those, slots holding a token
+    spec_proposed: int = 0  # speculative decoding: tokens proposed, and of those kept
+    spec_accepted: int = 0
 
     @property
     def block_usage(self) -> float:

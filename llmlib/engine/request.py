@@ -82,6 +82,8 @@ class Choice:
         if seq.num_output_tokens == choice.tokens_seen:  # max_tokens=0: nothing was generated
             choice.text.close()
             return
+        if seq.num_output_tokens > choice.tokens_seen + 1 and self._took_kept(finish):
+            return  # speculative decoding kept several tokens, and a stop string ended them
         choice.tokens_seen = seq.num_output_tokens
         tok = seq.token_ids[-1]
         if choice.logprobs is not None and logprob is not None:
@@ -108,6 +110,24 @@ class Choice:
                 finish(seq, "stop")
         elif seq.is_finished:
             choice.text.close()
+
+    def _took_kept(self, finish: Callable[[Sequence, str], None]) -> bool:
+        """Speculative decoding appended several tokens: look for a stop string in all but the last
+        (which :meth:`Choice.took_token` then takes as ever). A stop string ends the sequence there,
+        and the tokens after it are dropped, as if they had never been decoded."""
+        seq, first = self.seq, self.tokens_seen
+        kept = seq.output_token_ids[first:-1]
+        for j, tok in enumerate(kept):
+            self.tokens_seen = first + j + 1
+            if self.text.add_token(tok, check_stop=True):
+                self.stop_reason = self.text.stop_str
+                del seq.token_ids[seq.num_prompt_tokens + self.tokens_seen :]
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    finish(seq, "stop")
+                return True
+        return False
 
 
 class EngineRequest:

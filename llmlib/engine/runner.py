@@ -22,6 +22,7 @@ from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.sequence import ScheduledChunk, Sequence
 from llmlib.model import Transformer
 from llmlib.sampling import sample
+from llmlib.speculative.verify import accept_greedy, accept_sampled, distributions
 from llmlib.structured import allowed
 
 
@@ -86,8 +87,8 @@ class ModelRunner:
         """One forward pass over ``chunks`` packed into one row; logits [len(select), V]."""
         ids: list[int] = []
         for c in chunks:
-            ids += c.seq.token_ids[c.start : c.start + c.length]
-        seq_chunks = [SeqChunk(c.seq.block_table, c.start, c.length) for c in chunks]
+            ids += c.seq.token_ids[c.start : c.start + c.length] + c.draft
+        seq_chunks = [SeqChunk(c.seq.block_table, c.start, c.length + len(c.draft)) for c in chunks]
         return self.forward_packed(seq_chunks, ids, select)
 
     def forward_packed(
@@ -127,7 +128,8 @@ class ModelRunner:
         """
         res = StepResult()
         wants_prompt = any(_prompt_positions(c) for c in chunks)
-        if self.graphs is not None and not wants_prompt and self.graphs.fits(chunks):
+        drafts = any(c.draft for c in chunks)
+        if self.graphs is not None and not (wants_prompt or drafts) and self.graphs.fits(chunks):
             # every sequence decodes one token: the fixed-shape step (a CUDA graph replay on a GPU)
             self.forward_passes += 1
             logits = self.graphs.run(chunks, [c.seq.token_ids[c.start] for c in chunks])
@@ -140,26 +142,56 @@ class ModelRunner:
         ends, sampled, t = [], [], 0
         prompt_rows: list[tuple[ScheduledChunk, list[int]]] = []
         prompt_sel: list[int] = []
+        verified: list[ScheduledChunk] = []  # speculative: the pending token and its proposals
+        spec_sel: list[int] = []
         for c in order:
             if pos := _prompt_positions(c):
                 prompt_rows.append((c, pos))
                 prompt_sel += [t + p - c.start for p in pos]
+            if c.draft:
+                verified.append(c)
+                spec_sel += range(t, t + 1 + len(c.draft))
+                t += 1 + len(c.draft)
+                continue
             t += c.length
             if c.samples:  # sample at the last token of every chunk that completes its sequence
                 ends.append(t - 1)
                 sampled.append(c)
-        select = (ends or ([] if prompt_sel else [t - 1])) + prompt_sel
+        select = (ends or ([] if prompt_sel or spec_sel else [t - 1])) + prompt_sel + spec_sel
         logits = self._forward(order, select)  # a step of partial prompts samples nothing
         n_ends = len(ends)
         self._sample(sampled, logits[:n_ends], generators, res)
-        row = n_ends if ends else (0 if prompt_sel else 1)
+        row = n_ends if ends else (0 if prompt_sel or spec_sel else 1)
         for c, pos in prompt_rows:
             lp = logits[row : row + len(pos)].float().log_softmax(-1)
             row += len(pos)
             nxt = [c.seq.token_ids[p + 1] for p in pos]
             entries = _logprob_entries(lp, nxt, c.seq.params.prompt_logprobs)
             res.prompt_logprobs[c.seq.seq_id] = list(zip([p + 1 for p in pos], entries))
+        self._verify(verified, logits[row:], generators, res)
         return res
+
+    def _verify(
+        self,
+        chunks: list[ScheduledChunk],
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator | None],
+        res: StepResult,
+    ) -> None:
+        """Speculative decoding: keep each sequence's proposals the model agrees with
+        (:mod:`llmlib.speculative.verify`); its own token after them is the step's token."""
+        row = 0
+        for c in chunks:
+            rows = logits[row : row + 1 + len(c.draft)]
+            row += 1 + len(c.draft)
+            params = c.seq.params
+            if params.greedy:
+                a, nxt = accept_greedy(c.draft, rows)
+            else:  # prompt lookup proposes deterministically: a one-hot draft distribution
+                probs = distributions(rows, params)
+                a, nxt = accept_sampled(c.draft, None, probs, generators.get(c.seq.seq_id))
+            res.accepted[c.seq.seq_id] = c.draft[:a]
+            res.tokens[c.seq.seq_id] = nxt
 
     def _sample(
         self,
@@ -204,6 +236,7 @@ class StepResult:
     log-probabilities asked for (``prompt_logprobs`` as ``(prompt position, entry)`` pairs)."""
 
     tokens: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # kept proposals, before tokens
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
 

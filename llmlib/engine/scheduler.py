@@ -42,6 +42,8 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead
     preemptions: int = 0
     finished: int = 0
+    spec_proposed: int = 0  # speculative decoding: proposals verified, and of those kept
+    spec_accepted: int = 0
 
 
 class Scheduler:
@@ -140,6 +142,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            # speculative proposals ride along when the budget and the pool have room for them
+            n = seq.num_tokens - seq.num_computed_tokens
+            draft = seq.draft_tokens if n == 1 and n + len(seq.draft_tokens) <= budget else []
+            if draft:  # never at the price of a preemption: leave a block for each one after
+                need = self.bm.blocks_for(seq.num_tokens + len(draft)) - len(seq.block_table)
+                if need > self.bm.num_free_blocks - (len(self.running) - i - 1):
+                    draft = []
             while not self.bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -148,10 +157,10 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
-            self.bm.append_slots(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            out.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+            self.bm.append_slots(seq, len(draft))
+            n = min(n, budget)
+            out.append(ScheduledChunk(seq, seq.num_computed_tokens, n, list(draft)))
+            budget -= n + len(draft)
             i += 1
 
         # 2. Waiting sequences, first come first served.
@@ -194,11 +203,16 @@ class Scheduler:
         return out
 
     def postprocess(
-        self, chunks: Iterable[ScheduledChunk], next_tokens: dict[int, int]
+        self,
+        chunks: Iterable[ScheduledChunk],
+        next_tokens: dict[int, int],
+        accepted: dict[int, list[int]] | None = None,
     ) -> list[Sequence]:
         """Record a finished forward pass: advance each sequence, append sampled tokens.
 
-        ``next_tokens`` maps ``seq_id`` to the token sampled for every chunk that ``samples``.
+        ``next_tokens`` maps ``seq_id`` to the token sampled for every chunk that ``samples``;
+        ``accepted`` to the proposed tokens (speculative decoding) kept before it. Refused
+        proposals' slots are dropped and their blocks returned.
         Returns the sequences that received a token (finished ones included).
         """
         touched: list[Sequence] = []
@@ -221,7 +235,20 @@ class Scheduler:
             if seq.max_tokens == 0:  # a prompt scored, nothing generated (prompt_logprobs)
                 self.finish(seq, "length")
                 continue
-            self.append_token(seq, next_tokens[seq.seq_id])
+            kept = (accepted or {}).get(seq.seq_id, []) if c.draft else []
+            self.stats.spec_proposed += len(c.draft)
+            self.stats.spec_accepted += len(kept)
+            for tok in kept:  # proposals the model agreed with: their keys/values are written
+                self.append_token(seq, tok)
+                if seq.is_finished:
+                    break
+                seq.num_computed_tokens += 1
+                self.bm.mark_computed(seq)
+                self.stats.decode_tokens += 1
+            if not seq.is_finished:
+                self.append_token(seq, next_tokens[seq.seq_id])
+            if c.draft and not seq.is_finished:
+                self.bm.trim(seq)  # the refused proposals' blocks go back
         return touched
 
     def append_token(self, seq: Sequence, tok: int) -> None:

@@ -56,6 +56,8 @@ class Sequence:
     # n > 1: the other choices, made when the prompt is done by forking its KV blocks
     forks: list[Sequence] = field(default_factory=list)
     matcher: Any = None  # structured output: the grammar position (llmlib.structured.Matcher)
+    # speculative decoding: tokens proposed to follow token_ids, verified in the next step
+    draft_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -95,6 +97,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     length: int
+    draft: list[int] = field(default_factory=list)  # proposed tokens scored after the chunk
 
     @property
     def samples(self) -> bool:
