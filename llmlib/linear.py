@@ -20,8 +20,11 @@ changed in place afterwards, the stale copy is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 _ATTR = "_llmlib_packed"  # (packed weight, source data_ptr, source version), set on the Parameter
+#: rows per product in batch-invariant mode (:func:`fixed_row_tiles`); None: one product for all
+_ROW_TILE: ContextVar[int | None] = ContextVar("llmlib_row_tile", default=None)
 
 
 def _packing_available() -> bool:
@@ -44,7 +49,50 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> to
     ``weight`` is a dense tensor, or a quantized one stored for a weight-only kernel
     (:class:`llmlib.quantize.PackedWeight`, which brings its own product). A dense float32 matrix
     with a valid oneDNN copy (:func:`pack_weights`) uses it when ``x`` holds more than one row.
+    Inside :func:`fixed_row_tiles` every product is taken over a fixed number of rows.
     """
+    tile = _ROW_TILE.get()
+    if tile is not None:
+        return _tiled_linear(x, weight, bias, tile)
+    return _linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def fixed_row_tiles(tile: int = 32) -> Iterator[None]:
+    """Within this block, :func:`linear` multiplies ``tile`` rows at a time, padding the last
+    tile with zero rows, so every product the kernel library sees has the same shape.
+
+    Why: BLAS and oneDNN pick their kernel, and with it the order of each dot product's sum,
+    from the matrix shapes, the number of rows included (one row takes a matrix-vector path;
+    bfloat16 products switch kernels past 32 rows). A token's result then depends on how many
+    other tokens share its step. With the row count fixed it cannot: row ``i`` of a product
+    depends only on row ``i`` of the input (``tests/test_batch_invariant.py`` checks it). The
+    batch-invariant engine (``LLM(..., batch_invariant=True)``) runs every step inside this.
+    """
+    if not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"fixed_row_tiles: tile must be a positive integer, got {tile!r}")
+    token = _ROW_TILE.set(tile)
+    try:
+        yield
+    finally:
+        _ROW_TILE.reset(token)
+
+
+def _tiled_linear(
+    x: torch.Tensor, weight: Any, bias: torch.Tensor | None, tile: int
+) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    padded = rows.new_zeros(-(-n // tile) * tile, k)
+    padded[:n] = rows
+    out = torch.cat(
+        [_linear(padded[i : i + tile], weight, bias) for i in range(0, len(padded), tile)]
+    )
+    return out[:n].view(*lead, out.shape[-1])
+
+
+def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     packed = getattr(weight, _ATTR, None)

@@ -124,7 +124,8 @@ LAYERS = [
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
     },
-    {"llmlib.engine", "llmlib.parallel"},  # the engine, and the engine split over ranks
+    # the engine, the engine split over ranks, and measurements of the engine
+    {"llmlib.engine", "llmlib.parallel", "llmlib.invariance"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 

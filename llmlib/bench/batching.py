@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from llmlib.bench.invariance import cost_summary
 from llmlib.kv_cache import KVCache
 from llmlib.sampling import SamplingParams
 
@@ -158,12 +159,14 @@ def run_continuous(
     block_size: int,
     max_num_batched_tokens: int,
     num_blocks: int | None = None,
+    batch_invariant: bool = False,
 ) -> dict[str, Any]:
     from llmlib.engine import LLM
 
     llm = LLM(
         model,
         tokenizer,
+        batch_invariant=batch_invariant,
         max_num_seqs=max_num_seqs,
         block_size=block_size,
         num_blocks=num_blocks,
@@ -207,6 +210,7 @@ def bench(
     kv_budget_tokens: int | None = 8192,
     repeats: int = 1,
     log=print,
+    batch_invariant: bool = False,
 ) -> dict[str, Any]:
     """Run all three modes on ``requests``; return tokens/s, ratios and waste.
 
@@ -216,6 +220,8 @@ def bench(
     default pool. ``sequential_subset`` times the sequential mode on the first k requests only (it
     is by far the slowest) and reports its tokens/s from those; the batched modes run everything,
     ``repeats`` times each, alternating, and report the median time (this machine is noisy).
+    ``batch_invariant`` adds continuous batching in batch-invariant mode to the alternation
+    (:mod:`llmlib.engine.invariant`) and reports its throughput against the default mode's.
     """
     num_blocks = None if kv_budget_tokens is None else kv_budget_tokens // block_size
     if static_batch is None:
@@ -233,21 +239,24 @@ def bench(
     seq = run_sequential(model, tokenizer, seq_reqs)
     seq_tps = sum(r.max_tokens for r in seq_reqs) / seq["seconds"]
     log(f"  sequential   {seq_tps:8.1f} tok/s  ({seq['seconds']:.1f} s)")
-    runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+    runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": [], "batch_invariant": []}
     engine = (max_num_seqs, block_size, max_num_batched_tokens, num_blocks)
     for _ in range(max(1, repeats)):
         runs["static"].append(run_static(model, requests, static_batch))
         runs["continuous"].append(run_continuous(model, tokenizer, requests, *engine))
+        if batch_invariant:
+            runs["batch_invariant"].append(
+                run_continuous(model, tokenizer, requests, *engine, batch_invariant=True)
+            )
     sta, con = (
         sorted(runs[m], key=lambda r: r["seconds"])[(len(runs[m]) - 1) // 2]
         for m in ("static", "continuous")
     )
+    ran = [(m, rs) for m, rs in runs.items() if rs]
     if repeats > 1:
         log(
             "  runs (s): "
-            + "; ".join(
-                f"{m} " + ", ".join(f"{r['seconds']:.1f}" for r in rs) for m, rs in runs.items()
-            )
+            + "; ".join(f"{m} " + ", ".join(f"{r['seconds']:.1f}" for r in rs) for m, rs in ran)
             + " -> medians below"
         )
     sta_tps = total / sta["seconds"]
@@ -260,6 +269,7 @@ def bench(
         f"  continuous   {con_tps:8.1f} tok/s  ({con['seconds']:.1f} s), KV allocated but unused {con['waste']:.1%}"
         f" (block size {block_size}), preemptions {con['stats'].preemptions}"
     )
+    invariant = cost_summary(runs["batch_invariant"], con, total, log) if batch_invariant else None
     # the three must agree on the tokens (greedy) wherever they ran the same requests
     from llmlib.bench.formats import fp32_copy_check
 
@@ -285,7 +295,7 @@ def bench(
             "continuous": con["seconds"],
         },
         "repeats": max(1, repeats),
-        "seconds_all_runs": {m: [r["seconds"] for r in rs] for m, rs in runs.items()},
+        "seconds_all_runs": {m: [r["seconds"] for r in rs] for m, rs in ran},
         "ratio_continuous_vs_sequential": con_tps / seq_tps,
         "ratio_continuous_vs_static": con_tps / sta_tps,
         "ratio_static_vs_sequential": sta_tps / seq_tps,
@@ -295,6 +305,7 @@ def bench(
         "preemptions": con["stats"].preemptions,
         "same_tokens_as_continuous": {"sequential": agree_seq, "static": agree_static},
         "fp32_onednn_copy": copy,
+        "batch_invariant": invariant,
     }
 
 
@@ -342,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
+    ap.add_argument("--batch-invariant", action="store_true", help="time that mode too")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     from llmlib.cli.common import add_format_args, model_format
@@ -381,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         sequential_subset=args.sequential_subset,
         repeats=args.repeats,
         log=log,
+        batch_invariant=args.batch_invariant,
     )
     if args.out:
         from pathlib import Path

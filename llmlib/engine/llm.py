@@ -82,15 +82,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
         speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
+        batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
-            if quantization is not None:
+            if quantization is not None or batch_invariant:
+                what = f"quantization={quantization!r}" if quantization else "batch_invariant=True"
                 raise ValueError(
-                    f"LLM: quantization={quantization!r} with tensor_parallel_size="
-                    f"{tensor_parallel_size}: the ranks load float slices only, for now"
+                    f"LLM: {what} with tensor_parallel_size="
+                    f"{tensor_parallel_size}: not implemented for sharded ranks, for now"
                 )
             self._tp, model_obj, tokenizer = start_engine(
                 model, tensor_parallel_size, device, dtype, tokenizer, tp_options
@@ -146,6 +148,7 @@ class LLM:
                     cuda_graphs=cuda_graphs,
                     max_graph_rows=max_num_seqs,
                     max_model_len=max_len,
+                    batch_invariant=batch_invariant,
                 )
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
             self._spec = engine_speculator(speculative_config, self._tp is not None)

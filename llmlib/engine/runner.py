@@ -9,6 +9,7 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -37,8 +38,13 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         max_graph_rows: int = 64,
         max_model_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
+        #: every step through llmlib.engine.invariant (fixed row tiles, tiled attention)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            cuda_graphs = False  # the fixed-shape decode step uses the default attention
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         if cuda_graphs is None:
@@ -90,13 +96,22 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The forward pass itself, on block tables and token ids alone (what a tensor-parallel
         worker, which has no sequences, runs too): logits [len(select), V] at ``select``."""
-        step = self.cache.step([chunks])
+        tiles: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.batch_invariant:
+            from llmlib.engine.invariant import ROW_TILE, InvariantStep
+            from llmlib.linear import fixed_row_tiles
+
+            step = InvariantStep(self.cache, [chunks])
+            tiles = fixed_row_tiles(ROW_TILE)
+        else:
+            step = self.cache.step([chunks])
         self.forward_passes += 1
         ids_t = torch.tensor([ids], dtype=torch.long).to(self.device)
         sel = torch.as_tensor(select, dtype=torch.long).to(self.device)
-        h = self.model.hidden(ids_t, step.positions, step)
-        # the LM head (vocab x d_model) only where a token is sampled: the last of each prompt
-        return self.model.logits(h[0].index_select(0, sel))
+        with tiles:
+            h = self.model.hidden(ids_t, step.positions, step)
+            # the LM head (vocab x d_model) only where a token is sampled: the last of each prompt
+            return self.model.logits(h[0].index_select(0, sel))
 
     @torch.inference_mode()
     def execute(

@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="shard the model over N ranks (started here, or by torchrun: every rank runs this)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every request's logits bitwise independent of its batch (reproducible temperature 0)",
+    )
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     if args.tensor_parallel_size > 1:
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
+        batch_invariant=args.batch_invariant,
     )
     name = args.served_model_name or name
     app = create_app(

@@ -1,0 +1,200 @@
+"""Batch-invariant steps: a token's logits bitwise the same whatever else shares its step.
+
+Floating-point addition is not associative, so a sum computed in another order can differ in its
+last bits; near a tie between two tokens that flips a greedy choice. In the default engine the
+order of a token's sums depends on its company: the kernel library picks its matrix-product kernel
+from the number of rows (the step's token count), and attention splits the keys into blocks whose
+size depends on the chunk's length (``F.scaled_dot_product_attention``) or pads a decode group to
+its longest member. So the same request run alone, in a batch, with its prompt chunked another
+way, recomputed after a preemption, or started from cached prefix blocks can produce different
+logits (chapter 7 measures by how much, :mod:`llmlib.invariance`).
+
+``LLM(..., batch_invariant=True)`` fixes every reduction's order independently of the batch, the
+recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant
+mode:
+
+* weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded
+  (:func:`llmlib.linear.fixed_row_tiles`): the kernel always sees the same shape, and row ``i``
+  of a product depends only on row ``i`` of its input;
+* RMSNorm, RoPE, SiLU and the residual adds are per row already;
+* attention (:class:`InvariantStep`) cuts every sequence's queries into tiles of ``Q_TILE``
+  positions aligned to absolute positions (position ``p`` is always row ``p % Q_TILE`` of its
+  tile), and walks the keys from position 0 in tiles of ``K_TILE`` with an online softmax, each
+  query tile only as far as its last query's position. A query's sums then depend only on its
+  position and its sequence's keys: not on how its prompt was chunked, whether it is a prompt
+  token or a decoded one (so a recompute after preemption rebuilds the same keys and values),
+  nor on which other sequences share the step (the masked keys of a tile's last key tile add
+  exact zeros, and batched products compute each tile's matrices as if alone).
+
+The products run in whatever format the model was loaded in (bfloat16 in oneDNN's layout by
+default on a CPU with AMX, float32 elsewhere): fixing the shape is what makes any deterministic
+kernel invariant. Attention runs in float32. What it costs, ``llmlib bench batching
+--batch-invariant`` measures against the default mode in the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from llmlib.attention import AttentionFn, soft_cap
+from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
+
+#: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
+ROW_TILE = 32
+#: query positions per attention tile, and keys per key tile
+Q_TILE = 2
+K_TILE = 64
+
+
+@dataclass
+class _Tiles:
+    """Where each query tile's rows come from and which keys it reads (built once per step).
+
+    Tiles are sorted by how many key tiles they read, most first, so the tiles still reading at
+    key tile ``j`` are the first ``active[j]``: a prefix, sliced without copies."""
+
+    q_index: torch.Tensor  # [U * Q_TILE] flat token index of each row (padding: B * T)
+    q_pos: torch.Tensor  # [U, Q_TILE] each row's position (padding rows: the tile's last)
+    active: list[int]  # per key tile, how many query tiles read it
+    rows: list[torch.Tensor]  # per key tile [active * Hkv * K_TILE]: pool rows, head-major
+    hidden: list[torch.Tensor]  # per key tile [active, 1, Q_TILE, K_TILE]: key after query
+
+
+class InvariantStep(PagedStep):
+    """A :class:`~llmlib.engine.paged_cache.PagedStep` whose attention is batch-invariant."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        rows: Seq[Seq[SeqChunk]],
+        q_tile: int = Q_TILE,
+        k_tile: int = K_TILE,
+    ) -> None:
+        super().__init__(cache, rows)
+        self.q_tile, self.k_tile = q_tile, k_tile
+        self.tiles = self._plan()
+        self._windowed: dict[int, list[torch.Tensor]] = {}
+
+    def _plan(self) -> _Tiles:
+        bs, qt, kt = self.cache.block_size, self.q_tile, self.k_tile
+        Hkv = self.cache.n_kv_heads
+        B, T = self.shape
+        units = []  # (key tiles, row indices, row positions, block table)
+        for b, row in enumerate(self.rows):
+            t0 = 0
+            for c in row:
+                end = c.start + c.length
+                blocks = [int(x) for x in c.block_table[: -(-end // bs)]]
+                for u in range(c.start // qt, (end - 1) // qt + 1):
+                    top = min(end, (u + 1) * qt) - 1  # the tile's last real query
+                    idx, pos = [], []
+                    for p in range(u * qt, (u + 1) * qt):
+                        real = c.start <= p < end
+                        idx.append(b * T + t0 + p - c.start if real else B * T)
+                        # padding rows look at the same keys as the last real one: finite, unread
+                        pos.append(p if real else top)
+                    units.append((top // kt + 1, idx, pos, blocks))
+                t0 += c.length
+        units.sort(key=lambda x: -x[0])  # stable: most key tiles first
+        U, J = len(units), units[0][0]
+        nb = max(len(x[3]) for x in units)
+        table = torch.zeros((U, nb), dtype=torch.long)
+        for i, x in enumerate(units):
+            table[i, : len(x[3])] = torch.as_tensor(x[3])
+        q_pos = torch.tensor([x[2] for x in units])
+        last = q_pos.amax(1)
+        k_pos = torch.arange(J * kt)
+        # keys beyond a tile's last query read position 0 (a real key) and are masked
+        kidx = torch.where(k_pos[None, :] <= last[:, None], k_pos[None, :], 0)
+        slots = table.gather(1, kidx // bs) * bs + kidx % bs  # [U, J * kt]
+        # the pool viewed as [slots * Hkv, D]: row slot * Hkv + h, gathered head-major
+        pool_rows = slots[:, None, :] * Hkv + torch.arange(Hkv)[None, :, None]
+        hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [U, qt, J * kt]
+        counts = torch.tensor([x[0] for x in units])
+        active = [int((counts > j).sum()) for j in range(J)]
+        dev = self.cache.device
+        return _Tiles(
+            torch.tensor([i for x in units for i in x[1]]).to(dev),
+            q_pos.to(dev),
+            active,
+            [
+                pool_rows[:n, :, j * kt : (j + 1) * kt].reshape(-1).to(dev)
+                for j, n in enumerate(active)
+            ],
+            [hidden[:n, None, :, j * kt : (j + 1) * kt].to(dev) for j, n in enumerate(active)],
+        )
+
+    def _hidden(self, window: int | None) -> list[torch.Tensor]:
+        """Per key tile, the keys each query row may not see (after it; beyond its window)."""
+        tl = self.tiles
+        if window is None:
+            return tl.hidden
+        if window not in self._windowed:
+            kt, out = self.k_tile, []
+            for j, (n, h) in enumerate(zip(tl.active, tl.hidden)):
+                k_pos = torch.arange(j * kt, (j + 1) * kt, device=h.device)
+                far = k_pos[None, None, :] <= tl.q_pos[:n, :, None] - window
+                out.append(h | far[:, None])
+            self._windowed[window] = out
+        return self._windowed[window]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: AttentionFn,
+        *,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Write the new keys and values, then tiled attention for every query ``[B, H, T, hd]``.
+
+        ``attention`` is only read for its options (a family's ``scale`` and ``softcap``); the
+        computation is this method's own, so that its order is fixed here.
+        """
+        write_kv(self.cache, self.layout, layer, k, v)
+        opts = getattr(attention, "keywords", {}) or {}
+        B, H, T, D = q.shape
+        Hkv, qt, kt = self.cache.n_kv_heads, self.q_tile, self.k_tile
+        rep = H // Hkv
+        tl = self.tiles
+        U = tl.q_pos.shape[0]
+        R = rep * qt
+        scale = opts.get("scale") or D**-0.5
+        softcap = opts.get("softcap")
+        flat = q.transpose(1, 2).reshape(B * T, H, D)
+        flat = torch.cat([flat, flat.new_zeros(1, H, D)])  # the padding row
+        # [U, qt, Hkv, rep, D] -> [U, Hkv, rep * qt, D]: the query heads sharing a KV head
+        Q = flat[tl.q_index].view(U, qt, Hkv, rep, D).permute(0, 2, 3, 1, 4)
+        Q = Q.reshape(U, Hkv, R, D).float()
+        if softcap is None:
+            Q = Q * scale  # the same product for every query: fold the scale in once
+        kpool = self.cache.k[layer].view(-1, D)
+        vpool = self.cache.v[layer].view(-1, D)
+        dev = q.device
+        m = torch.full((U, Hkv, R, 1), float("-inf"), device=dev)
+        l = torch.zeros((U, Hkv, R, 1), device=dev)  # noqa: E741 - the softmax denominator
+        acc = torch.zeros((U, Hkv, R, D), device=dev)
+        for n, idx, hid in zip(tl.active, tl.rows, self._hidden(window)):
+            kj = kpool.index_select(0, idx).view(n, Hkv, kt, D).float()
+            vj = vpool.index_select(0, idx).view(n, Hkv, kt, D).float()
+            s = torch.matmul(Q[:n], kj.transpose(-1, -2))  # [n, Hkv, R, kt]
+            if softcap is not None:
+                s = soft_cap(s * scale, softcap)
+            # rows are (head in group, query in tile): the mask repeats over the heads
+            s.view(n, Hkv, rep, qt, kt).masked_fill_(hid[:, :, None], float("-inf"))
+            mn = m[:n]
+            m_new = torch.maximum(mn, s.amax(dim=-1, keepdim=True))
+            p = s.sub_(m_new).exp_()
+            corr = (mn - m_new).exp_()
+            l[:n].mul_(corr).add_(p.sum(dim=-1, keepdim=True))
+            acc[:n].mul_(corr).add_(torch.matmul(p, vj))
+            mn.copy_(m_new)
+        o = (acc / l).view(U, Hkv, rep, qt, D).permute(0, 3, 1, 2, 4).reshape(U * qt, H, D)
+        out = q.new_zeros(B * T + 1, H, D)
+        out[tl.q_index] = o.to(q.dtype)  # padding rows all land in the extra row
+        return out[: B * T].view(B, T, H, D).transpose(1, 2)

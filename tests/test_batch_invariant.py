@@ -1,0 +1,153 @@
+"""Batch-invariant mode: a request's logits bitwise the same in every situation the engine puts it in.
+
+Tiny random models (float32 with oneDNN's packed copy, and bfloat16 in oneDNN's layout, the
+default format on this CPU) through :func:`llmlib.invariance.measure`: batches of 4 and 16,
+chunked prefill at two budgets, preemption with recompute, a prefix-cache hit. Every case must
+be bitwise identical to the request run alone in batch-invariant mode; the same cases in the
+default mode must show a difference somewhere (else these tests could not tell the modes apart).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmlib.config import ModelConfig
+from llmlib.engine import LLM
+from llmlib.invariance import measure
+from llmlib.linear import fixed_row_tiles, linear, pack_bfloat16, pack_weights
+from llmlib.model import random_model
+from llmlib.sampling import SamplingParams
+
+CFG = ModelConfig(
+    "tiny", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128
+)
+CASES = ("batch-4", "batch-16", "chunk-7", "chunk-32", "preempted", "prefix-hit")
+
+
+def tiny(dtype: torch.dtype, cfg: ModelConfig = CFG) -> torch.nn.Module:
+    m = random_model(cfg, "cpu", dtype, std=0.05)
+    if dtype == torch.bfloat16:
+        pack_bfloat16(m)  # what the loader does on a CPU with native bfloat16
+    else:
+        pack_weights(m)
+    return m
+
+
+def prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(5, 90))] for _ in range(n)]
+
+
+def engine(model, invariant: bool):
+    def make(**kw):
+        kw.setdefault("num_blocks", 256)
+        return LLM(model, batch_invariant=invariant, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def model(request):
+    return tiny(request.param)
+
+
+def test_every_case_is_bitwise_identical_in_batch_invariant_mode(model):
+    res = measure(engine(model, True), prompts(), max_tokens=12, cases=CASES)
+    for case, r in res.items():
+        assert r.requests > 0, case  # the preemption case really preempted someone
+        assert r.identical_share == 1.0 and r.max_abs_diff == 0.0, (case, r)
+        assert not r.divergences
+
+
+def test_the_default_mode_differs_somewhere(model):
+    # the check above can fail: without the mode, the same comparison finds differences
+    res = measure(engine(model, False), prompts(), max_tokens=12, cases=("chunk-7", "batch-16"))
+    assert any(r.identical_share < 1.0 for r in res.values())
+
+
+def test_batch_invariant_logits_match_the_default_mode_closely():
+    # the invariant attention is attention: same numbers as the default path up to rounding
+    m = tiny(torch.float32)
+    ps = prompts(6)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    a = LLM(m, num_blocks=128).generate(ps, sp, use_tqdm=False)
+    b = LLM(m, num_blocks=128, batch_invariant=True).generate(ps, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx.logprob - ly.logprob) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"sliding_window": 24}, {"attn_softcap": 5.0, "attn_scale": 0.2}],
+    ids=["window", "softcap"],
+)
+def test_family_options_in_the_invariant_attention(extra):
+    cfg = ModelConfig(**{**CFG.__dict__, **extra})
+    m = tiny(torch.float32, cfg)
+    ps = prompts(4)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    a = LLM(m, num_blocks=128).generate(ps, sp, use_tqdm=False)
+    b = LLM(m, num_blocks=128, batch_invariant=True).generate(ps, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx.logprob - ly.logprob) < 1e-4
+    res = measure(engine(m, True), ps, max_tokens=8, cases=("batch-4", "chunk-7"))
+    assert all(r.identical_share == 1.0 for r in res.values())
+
+
+def test_seeded_sampling_and_logprobs_reproduce_in_any_batch(model):
+    ps = prompts(8, seed=1)
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, logprobs=4)
+    alone = LLM(model, num_blocks=256, batch_invariant=True)
+    one = alone.generate([ps[2]], sp, use_tqdm=False)[0]
+    many = LLM(model, num_blocks=256, batch_invariant=True, max_num_batched_tokens=16)
+    got = many.generate(ps, [sp] * len(ps), use_tqdm=False)[2]
+    assert got.token_ids == one.token_ids
+    assert [e.logprob for e in got.outputs[0].logprobs] == [
+        e.logprob for e in one.outputs[0].logprobs
+    ]
+
+
+def test_fixed_row_tiles_make_a_row_independent_of_the_row_count():
+    torch.manual_seed(0)
+    w = torch.randn(300, 96)
+    x = torch.randn(70, 96)
+    with fixed_row_tiles(32):
+        ref = linear(x[:1], w)[0]
+        for n in (2, 5, 31, 32, 33, 64, 70):
+            assert torch.equal(linear(x[:n], w)[0], ref)
+        assert linear(x[:5].view(1, 5, 96), w).shape == (1, 5, 300)
+    assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5)
+    with pytest.raises(ValueError):
+        with fixed_row_tiles(0):
+            pass
+
+
+def test_tensor_parallel_is_refused():
+    with pytest.raises(ValueError, match="batch_invariant=True with tensor_parallel_size=2"):
+        LLM(tiny(torch.float32), batch_invariant=True, tensor_parallel_size=2)
+
+
+def test_serve_flag_reaches_the_engine(monkeypatch):
+    import llmlib.serve.launch as launch
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_build(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(launch, "build_engine", fake_build)
+    for argv, want in ((["--batch-invariant"], True), ([], False)):
+        with pytest.raises(Stop):
+            launch.main(argv)
+        assert seen["batch_invariant"] is want
