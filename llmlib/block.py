@@ -89,7 +89,8 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] float32, expert ids [N, k])."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
+        # through linear(), like every product: a quantized router weight brings its own kernel
+        probs = torch.softmax(linear(x, self.router.weight).float(), dim=-1)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -641,3 +641,21 @@ def test_gguf_files_load_to_transformers_logits(saved, tmp_path: Path, family: s
     assert (got.family, got.qkv_bias, got.qk_norm) == (family, family == "qwen2", family == "qwen3")
     assert got.head_dim == cfg.head_dim and got.tie_embeddings == cfg.tie_embeddings
     assert _max_diff(model, hf_full, _ids()) < TOL
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_every_family_runs_weight_only_int8(saved, family: str) -> None:
+    """Issue 13's formats on issue 19's families: int8 weights (bfloat16 activations) on odd
+    widths, biases, fused checkpoints and a quantized MoE router, close to transformers' float32;
+    int4 either runs or is refused naming a tensor (these widths are not multiples of 32)."""
+    hf, folder = saved[family]
+    ids = _ids(1)
+    model = llmlib.load_model(folder, device="cpu", dtype=torch.bfloat16, quantization="int8")
+    assert "int8" in model.weight_format
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 0.06
+    try:
+        llmlib.load_model(folder, device="cpu", dtype=torch.bfloat16, quantization="int4")
+    except ValueError as e:
+        assert "weight" in str(e) and family in str(e)
