@@ -659,3 +659,29 @@ def test_every_family_runs_weight_only_int8(saved, family: str) -> None:
         llmlib.load_model(folder, device="cpu", dtype=torch.bfloat16, quantization="int4")
     except ValueError as e:
         assert "weight" in str(e) and family in str(e)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+def test_families_split_over_two_ranks(tmp_path: Path, family: str) -> None:
+    """Issue 14's tensor parallelism on issue 19's families (Q/K/V biases, routed experts,
+    per-head norms with local/global layers): TP = 2 gives TP = 1's greedy tokens in float32.
+    Widths are overridden so heads, KV heads and FFNs divide by two."""
+    over = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        head_dim=8,
+    )
+    if family == "qwen3_moe":
+        over["moe_intermediate_size"] = 24
+    _hf_model(family, **over).save_pretrained(tmp_path)
+    params = llmlib.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    kw = dict(dtype="float32", num_blocks=32, block_size=4)
+    one = [
+        o.token_ids for o in llmlib.LLM(tmp_path, **kw).generate(prompts, params, use_tqdm=False)
+    ]
+    with llmlib.LLM(tmp_path, tensor_parallel_size=2, **kw) as two:
+        got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    assert got == one
