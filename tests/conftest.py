@@ -23,3 +23,15 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path):
+    """transformers' own float32 model of the same GGUF file, the reference for logits, greedy
+    tokens and perplexity; loaded once (its GGUF conversion is the slow part of those tests)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()

@@ -365,13 +365,9 @@ def smollm2():
 
 
 @pytest.mark.model
-def test_smollm2_greedy_matches_transformers(smollm2):
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_greedy_matches_transformers(smollm2, hf_smollm2):
     path, gen = smollm2
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = hf_smollm2
     for chat in (False, True):
         out = gen.generate("What is a quadratic equation?", max_new_tokens=64, chat=chat)
         with torch.no_grad():

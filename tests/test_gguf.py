@@ -269,18 +269,13 @@ def test_smollm2_config_matches_preset(smollm2_path: Path) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_logits_match_transformers(smollm2_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+def test_smollm2_logits_match_transformers(smollm2_path: Path, hf_smollm2) -> None:
     import llmlib
 
     # "The capital of France is Paris. The capital of Germany is" in SmolLM2's vocabulary.
     ids = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4521, 314]
     with torch.no_grad():
-        ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-        ).eval()
-        ref = ref_model(torch.tensor([ids])).logits
-        del ref_model
+        ref = hf_smollm2(torch.tensor([ids])).logits
         model = llmlib.load_model(smollm2_path, device="cpu", dtype=torch.float32)
         ours = model(torch.tensor([ids]))
     assert ours.shape == ref.shape == (1, len(ids), 49_152)

@@ -59,18 +59,17 @@ def test_compare_is_zero_against_itself_and_positive_against_another() -> None:
 
 
 @pytest.mark.model
-def test_float32_perplexity_equals_transformers_on_the_same_windows(smollm2_path: Path) -> None:
+def test_float32_perplexity_equals_transformers_on_the_same_windows(
+    smollm2_path: Path, hf_smollm2
+) -> None:
     """Hugging Face's sliding-window method (its perplexity guide), run on transformers' own model
     of the same file: llmlib's float32 figure agrees to 0.1%."""
-    transformers = pytest.importorskip("transformers")
     from llmlib.perplexity import book_text_ids
 
     tok = llmlib.load_tokenizer(smollm2_path)
     ids = book_text_ids(tok, 700)
     ctx, stride = 256, 128
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
+    hf = hf_smollm2
     x = torch.tensor([ids])
     nll_sum, n_tokens, prev_end = 0.0, 0, 0
     with torch.no_grad():
@@ -87,7 +86,6 @@ def test_float32_perplexity_equals_transformers_on_the_same_windows(smollm2_path
             prev_end = end
             if end == x.size(1):
                 break
-    del hf
     ref = math.exp(nll_sum / n_tokens)
     model = llmlib.load_model(smollm2_path, "cpu", torch.float32)
     ours = perplexity_details(model, ids, ctx, stride)
