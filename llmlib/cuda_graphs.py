@@ -9,7 +9,7 @@ single launch, so the step costs what the GPU work costs.
 A graph replays exactly the recorded kernels on exactly the recorded memory. So everything the
 step touches must live at a fixed address and have a fixed shape: the input ids and positions go
 into static buffers (copied in before each replay), the KV cache is preallocated
-(:class:`StaticKVCache`, written with ``scatter_`` at the positions, so no Python-side length
+(:class:`StaticKVCache`, written in place at the positions, so no Python-side length
 decides a shape), and one graph is captured per batch size (a smaller batch is padded up to the
 next captured size).
 
@@ -31,8 +31,9 @@ from llmlib.config import ModelConfig
 class StaticKVCache:
     """A preallocated KV cache that a CUDA graph can capture: fixed addresses, no host syncs.
 
-    ``k`` and ``v`` are ``[layers, max_batch, kv_heads, max_len, head_dim]``. ``update`` writes
-    the new keys and values at their positions with ``scatter_`` and returns the whole row of
+    ``k`` and ``v`` are lists, one ``[max_batch, kv_heads, max_len, head_dim]`` tensor per layer
+    (``torch.compile``'d CPU decoding uses it too). ``update`` writes the new keys and values at
+    their positions (``index_copy_`` for one sequence, ``scatter_`` for several) and returns the whole row of
     slots with a mask that lets each query see the slots at or before its own position, so an
     unwritten slot is never attended to. It implements the model's cache contract,
     ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
@@ -50,15 +51,19 @@ class StaticKVCache:
             raise ValueError(
                 f"StaticKVCache: max_batch ({max_batch}) and max_len ({max_len}) must be >= 1"
             )
-        shape = (cfg.n_layers, max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # one tensor per layer, not one [layers, ...] block: a compiled step then writes each
+        # layer's new slots in place, where a write into a view of one big block is traced as a
+        # copy of the whole block back into it (every layer's K and V, every step)
+        shape = (max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.max_batch, self.max_len = max_batch, max_len
+        self.device = torch.device(device)
         self._slots = torch.arange(max_len, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def update(
         self,
@@ -70,10 +75,16 @@ class StaticKVCache:
         window: int | None = None,
     ):
         b, hkv, t, hd = k.shape
-        idx = positions[:, None, :, None].expand(b, hkv, t, hd)
-        k_all, v_all = self.k[layer, :b], self.v[layer, :b]  # views: writes land in the cache
-        k_all.scatter_(2, idx, k.to(k_all.dtype))
-        v_all.scatter_(2, idx, v.to(v_all.dtype))
+        k_all, v_all = self.k[layer], self.v[layer]
+        if b < self.max_batch:  # views: writes land in the cache
+            k_all, v_all = k_all[:b], v_all[:b]
+        if b == 1:  # one sequence: its positions index the slots directly
+            k_all.index_copy_(2, positions[0], k.to(k_all.dtype))
+            v_all.index_copy_(2, positions[0], v.to(v_all.dtype))
+        else:
+            idx = positions[:, None, :, None].expand(b, hkv, t, hd)
+            k_all.scatter_(2, idx, k.to(k_all.dtype))
+            v_all.scatter_(2, idx, v.to(v_all.dtype))
         slots, pos = self._slots[None, None, None, :], positions[:, None, :, None]
         mask = slots <= pos  # [B, 1, T, S]
         if window is not None:  # a sliding layer: only the latest `window` slots up to the query
@@ -124,7 +135,7 @@ class GraphedDecoder:
         """Record one graph per batch size (CUDA only; a no-op when disabled)."""
         if not self.enabled:
             return self
-        dev = self.cache.k.device
+        dev = self.cache.device
         pool = torch.cuda.graph_pool_handle()  # all sizes share one memory pool
         for bs in sorted(self.batch_sizes, reverse=True):  # largest first: the pool fits all
             ids = torch.zeros(bs, 1, dtype=torch.long, device=dev)

@@ -137,7 +137,6 @@ class Generator:
         self._step = decode_step
         self.compile_s: float | None = None
         if self.compile:
-            _check_compilable(model)
             self._step = torch.compile(decode_step)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
@@ -344,20 +343,6 @@ class Generator:
         params = self._request(params, kwargs)
         # check and tokenize now, so a bad request fails at the call, not at the first next()
         return self._run(*self._prepare(prompt, params, chat), params)
-
-
-def _check_compilable(model: torch.nn.Module) -> None:
-    """Refuse, at construction, what inductor cannot lower: oneDNN's opaque bfloat16 layout."""
-    from llmlib.quantize import OneDNNWeight
-
-    held = [n for n, m in model.named_modules() if isinstance(m, OneDNNWeight)]
-    if held:
-        raise ValueError(
-            f"Generator(compile=True): {len(held)} bfloat16 matrices ({held[0]}, ...) are held in "
-            "oneDNN's blocked layout, which torch.compile cannot lower; run bfloat16 eagerly "
-            "(that layout is its fast path on this CPU) or compile quantization='int8', 'int4' "
-            "or 'gguf'"
-        )
 
 
 def decode_step(

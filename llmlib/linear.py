@@ -51,7 +51,9 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> to
     with a valid oneDNN copy (:func:`pack_weights`) uses it when ``x`` holds more than one row.
     Inside :func:`fixed_row_tiles` every product is taken over a fixed number of rows.
     """
-    tile = _ROW_TILE.get()
+    # dynamo cannot trace ContextVar.get (a graph break at every product): a compiled graph is
+    # never batch-invariant, so it skips the lookup
+    tile = None if torch.compiler.is_compiling() else _ROW_TILE.get()
     if tile is not None:
         return _tiled_linear(x, weight, bias, tile)
     return _linear(x, weight, bias)

@@ -42,11 +42,6 @@ def parse_formats(text: str) -> list[tuple[str, bool]]:
         name, _, extra = item.strip().partition("+")
         if name not in FORMATS or extra not in ("", "compile"):
             raise ValueError(f"unknown format {item!r}; one of {sorted(FORMATS)} (+compile)")
-        if extra == "compile" and FORMATS[name] == ("bfloat16", None):
-            raise ValueError(
-                "bfloat16+compile: bfloat16 CPU weights are held in oneDNN's blocked layout, "
-                "which torch.compile cannot lower (llmlib.generate.Generator says so too)"
-            )
         out.append((name, extra == "compile"))
     return out
 
