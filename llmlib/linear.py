@@ -12,7 +12,8 @@ kinds of product matter, and no single memory layout serves both:
   what ``torch.compile`` does to frozen CPU weights); chapter 10 measures by how much.
 
 :func:`pack_weights` adds the blocked copy to every weight matrix (the dense matrix stays: state
-dicts, plots and the batch-1 path read it), so a float32 CPU model then holds its weights twice.
+dicts, plots and the batch-1 path read it), so a float32 CPU model then holds its weights twice;
+the loader does not do it by default (:func:`prepare_cpu_weights` says why).
 :func:`linear` takes the packed copy when the input has more than one row. The copy remembers
 which tensor it was made from and that tensor's version counter: if the weight is replaced or
 changed in place afterwards, the stale copy is ignored.
@@ -152,10 +153,12 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def prepare_cpu_weights(model: nn.Module) -> None:
-    """Give a model on the CPU both layouts: the decode one, then the blocked copy for batches.
+    """Store a CPU model's matrices for the products it runs; a no-op on another device.
 
-    Called by the loader; a no-op for a model on another device. A bfloat16 model instead holds
-    its matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
+    float32: the decode layout (:func:`use_matvec_layout`), one copy. The oneDNN-blocked second
+    copy (:func:`pack_weights`) is not made: measured over the whole engine (``llmlib bench
+    batching`` runs it both ways) it did not repay the memory. A bfloat16 model holds its
+    matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
     """
     mats = [p for p in model.parameters() if p.dim() == 2]
     if not mats or any(p.device.type != "cpu" for p in mats):
@@ -164,7 +167,6 @@ def prepare_cpu_weights(model: nn.Module) -> None:
         pack_bfloat16(model)
         return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
-    pack_weights(model)  # batches: oneDNN's blocked copy, made after the layout is final
 
 
 def pack_bfloat16(model: nn.Module) -> int:

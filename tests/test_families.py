@@ -24,7 +24,6 @@ import llmlib
 from llmlib.config import ModelConfig
 from llmlib.families import FAMILIES, differences
 from llmlib.kv_cache import KVCache
-from llmlib.linear import pack_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -297,7 +296,6 @@ def _peaked(folder: Path) -> llmlib.Transformer:
     model = llmlib.load_model(folder, device="cpu")
     with torch.no_grad():
         model.lm_head_weight.mul_(8.0)
-    pack_weights(model)  # the packed copies of the head went stale: re-pack
     return model
 
 

@@ -345,22 +345,29 @@ def breakdown(
 def fp32_copy_check(
     run_continuous, model, tokenizer, requests, con, *engine_args, log=print
 ) -> dict | None:
-    """A float32 CPU model holds a second, oneDNN-blocked copy of its matrices for multi-row
-    products (:func:`llmlib.linear.pack_weights`). Whether it pays for itself: the continuous
-    run again without it, in the same run, and the bytes it costs."""
-    from llmlib.linear import is_packed, pack_weights, unpack_weights
+    """Whether a second, oneDNN-blocked copy of a float32 CPU model's matrices
+    (:func:`llmlib.linear.pack_weights`, used for multi-row products) pays for itself: the
+    continuous run again with it, in the same run, and the bytes it costs. The loader holds
+    float32 once; this is the measurement behind that choice."""
+    from llmlib.linear import _packing_available, is_packed, pack_weights, unpack_weights
 
-    mats = [p for p in model.parameters() if p.dim() == 2 and is_packed(p)]
-    if not mats:
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    if (
+        not mats
+        or not _packing_available()
+        or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in mats)
+    ):
         return None
-    extra = sum(p.numel() * p.element_size() for p in mats)
-    unpack_weights(model)
+    was_packed = any(is_packed(p) for p in mats)  # the main run had the copy: time it without
+    extra = sum(p.numel() * p.element_size() for p in mats)  # the copy is as big as the matrices
+    (unpack_weights if was_packed else pack_weights)(model)
     try:
-        without = run_continuous(model, tokenizer, requests, *engine_args)
+        other = run_continuous(model, tokenizer, requests, *engine_args)
     finally:
-        pack_weights(model)
+        (pack_weights if was_packed else unpack_weights)(model)
     total = sum(r.max_tokens for r in requests)
-    w, wo = total / con["seconds"], total / without["seconds"]
+    main, second = total / con["seconds"], total / other["seconds"]
+    w, wo = (main, second) if was_packed else (second, main)
     log(
         f"  float32 oneDNN copy: continuous {w:.1f} tok/s with it, {wo:.1f} without "
         f"({w / wo:.2f}x) for {extra / 2**20:.0f} MiB more"
