@@ -171,9 +171,10 @@ def prepare_cpu_weights(model: nn.Module) -> None:
 
 def pack_bfloat16(model: nn.Module) -> int:
     """Hold every bfloat16 weight matrix of a CPU model only in oneDNN's blocked layout
-    (:class:`llmlib.quantize.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
+    (:class:`llmlib.onednn.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
     as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows."""
-    from llmlib.quantize import OneDNNWeight, weight_matrices
+    from llmlib.onednn import OneDNNWeight
+    from llmlib.quantize import weight_matrices
 
     n = 0
     for name, mod in weight_matrices(model).items():

@@ -115,6 +115,7 @@ LAYERS = [
         "llmlib.kv_cache",
         "llmlib.roofline",
         "llmlib.structured",
+        "llmlib.onednn",  # bfloat16 held in oneDNN's blocked layout, reachable when compiled
         "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
     {

@@ -73,7 +73,8 @@ def test_local_completions_through_llmlib_serve_equals_hf(tiny_llama, monkeypatc
     from llmlib.serve import ServerThread, create_app
 
     hf = _evaluate("hf", f"pretrained={tiny_llama},dtype=float32,device=cpu", monkeypatch)
-    engine = AsyncLLM(str(tiny_llama), num_blocks=256, block_size=16).start()
+    # float32, as transformers runs: without a dtype the engine picks bfloat16 on a CPU with it
+    engine = AsyncLLM(str(tiny_llama), dtype="float32", num_blocks=256, block_size=16).start()
     try:
         with ServerThread(create_app(engine, "tiny-llama")) as s:
             ours = _evaluate(

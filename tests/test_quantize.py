@@ -233,7 +233,7 @@ def test_dequantize_helpers_agree() -> None:
 
 def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
     from llmlib.linear import prepare_cpu_weights
-    from llmlib.quantize import OneDNNWeight
+    from llmlib.onednn import OneDNNWeight
 
     cfg = TINY.replace(tie_embeddings=True)
     model = random_model(cfg, "cpu", torch.bfloat16)

@@ -1,0 +1,76 @@
+"""bfloat16 weights in oneDNN's blocked layout, held once, and the operator that lets
+``torch.compile`` reach them.
+
+On a CPU with AMX or AVX512-BF16, oneDNN (PyTorch's CPU kernel library) multiplies a bfloat16
+matrix several times faster once it has been re-ordered into its own blocked layout, at one row
+(batch-1 decode) and at many (prefill, batches). :func:`llmlib.linear.pack_bfloat16` swaps each
+bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re-ordered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from llmlib.quantize import PackedWeight
+
+
+class OneDNNWeight(PackedWeight):
+    """A bfloat16 matrix held only in oneDNN's blocked layout (what ``torch.compile`` makes of
+    frozen CPU weights): AMX/AVX512-BF16 multiply it several times faster than a plain strided
+    bfloat16 matrix, at one row or many. Not quantized: the same numbers, re-ordered once.
+
+    Inside ``torch.compile`` the product is the custom operator ``llmlib::onednn_linear``, which
+    names the matrix by a number: the blocked tensor is opaque (no strides, no storage), so it
+    cannot be a traced graph input, but an operator that fetches it at run time can be.
+    """
+
+    kind = "bfloat16 (oneDNN blocked)"
+    _constants = "w"
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(tuple(w.shape))
+        self.register_buffer("w", torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
+        self.handle = next(_ONEDNN_HANDLES)
+        _ONEDNN_WEIGHTS[self.handle] = self
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.w.element_size()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.llmlib.onednn_linear(x, bias, self.handle, self.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, self.w, bias, "none", [], "")
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w.to_dense()
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # in a state dict this is the plain matrix it holds, under the weight's own name
+        # (``...wqkv.weight``, which the fused projection then splits into wq, wk, wv)
+        destination[prefix.removesuffix(".")] = self.w.to_dense()
+
+
+# handle -> the OneDNNWeight it names; weak, so a discarded model's matrices are freed
+_ONEDNN_WEIGHTS: weakref.WeakValueDictionary[int, OneDNNWeight] = weakref.WeakValueDictionary()
+_ONEDNN_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("llmlib::onednn_linear", mutates_args=())
+def _onednn_linear(
+    x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int
+) -> torch.Tensor:
+    w = _ONEDNN_WEIGHTS[handle].w
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
