@@ -102,13 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--system", default=None, help="a system message to start the conversation with"
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (once, before the first turn: pays over a long chat)",
+    )
     add_model_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        gen = load_generator(*generator_args(args), group_size=args.group_size)
-        print(f"(weights: {gen.weight_format})", file=sys.stderr)
+        gen = load_generator(
+            *generator_args(args), group_size=args.group_size, compile=args.compile
+        )
+        if args.compile:
+            gen.warmup()  # compile now, not in the middle of the first answer
+        compiled = f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else ""
+        print(f"(weights: {gen.weight_format}{compiled})", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"llmlib chat: error: {e}", file=sys.stderr)
         return 2
