@@ -233,6 +233,21 @@ def test_chat_repl_keeps_the_conversation():
     assert out.getvalue().count("fine\n") == 3 and "cleared" in out.getvalue()
 
 
+def test_chat_command_speculates_and_says_what_it_loaded(smollm2_path, monkeypatch, capsys):
+    """``llmlib chat --speculative``: the flags reach the generator; a bad spec is a clear error."""
+    import io
+
+    from llmlib.cli.chat import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour.\n/exit\n"))
+    args = ["--model", str(smollm2_path), "--dtype", "float32", "--max-new-tokens", "6"]
+    assert main([*args, "--speculative", "ngram:3"]) == 0
+    out = capsys.readouterr()
+    assert "(weights: float32" in out.err and ">>> " in out.out
+    assert main([*args, "--speculative", "ngram:x"]) == 2
+    assert "llmlib chat: error:" in capsys.readouterr().err
+
+
 def test_chat_drops_old_turns_when_the_context_is_full():
     import io
 

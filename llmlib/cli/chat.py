@@ -17,6 +17,7 @@ from llmlib.cli.common import add_model_args, add_sampling_args, generator_args,
 from llmlib.generate import Generator, load_generator
 from llmlib.prompts import Message
 from llmlib.sampling import SamplingParams
+from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
@@ -107,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="torch.compile the decode step (once, before the first turn: pays over a long chat)",
     )
+    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
     add_model_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
+        spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
         gen = load_generator(
-            *generator_args(args), group_size=args.group_size, compile=args.compile
+            *generator_args(args),
+            group_size=args.group_size,
+            compile=args.compile,
+            speculative=spec,
         )
         if args.compile:
             gen.warmup()  # compile now, not in the middle of the first answer
