@@ -33,8 +33,16 @@ class OneDNNWeight(PackedWeight):
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__(tuple(w.shape))
         self.register_buffer("w", torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
+        self._register()
+
+    def _register(self) -> None:
         self.handle = next(_ONEDNN_HANDLES)
         _ONEDNN_WEIGHTS[self.handle] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy) gets a handle of its own, or it would multiply by the original
+        super().__setstate__(state)
+        self._register()
 
     @property
     def device(self) -> torch.device:

@@ -290,6 +290,14 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     out = gen.generate("the cat", max_new_tokens=6, ignore_eos=True)
     assert out.token_ids == eager.token_ids
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # a copy names its own matrix (the compiled operator finds matrices by that name)
+    import copy
+
+    from llmlib.onednn import _ONEDNN_WEIGHTS
+
+    w = model.layers[0].ffn.w_gate_up.weight
+    w2 = copy.copy(w)
+    assert w.handle != w2.handle and _ONEDNN_WEIGHTS[w2.handle] is w2
     assert parse_formats("float32,bfloat16+compile") == [("float32", False), ("bfloat16", True)]
 
 
