@@ -270,9 +270,10 @@ def test_chat_drops_old_turns_when_the_context_is_full():
 )
 def test_cli(monkeypatch, capsys, extra):
     import llmlib.cli.generate as G
+    import llmlib.generate
 
     gen, _ = scripted("Hi 😀", eos=True)
-    monkeypatch.setattr(G, "load_generator", lambda *a, **k: gen)
+    monkeypatch.setattr(llmlib.generate, "load_generator", lambda *a, **k: gen)
     assert G.main(["hello", "--max-new-tokens", "20", *extra]) == 0
     out = capsys.readouterr()
     assert out.out == "Hi 😀\n" and "finish=stop" in out.err
@@ -285,9 +286,12 @@ def test_cli(monkeypatch, capsys, extra):
 )
 def test_cli_rejects_bad_parameters(monkeypatch, capsys, bad):
     import llmlib.cli.generate as G
+    import llmlib.generate
 
     monkeypatch.setattr(
-        G, "load_generator", lambda *a, **k: pytest.fail("must fail before loading the model")
+        llmlib.generate,
+        "load_generator",
+        lambda *a, **k: pytest.fail("must fail before loading the model"),
     )
     assert G.main(["hello", *bad]) == 2
     assert "error" in capsys.readouterr().err

@@ -13,11 +13,16 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
-from llmlib.generate import Generator, load_generator
+from llmlib.cli.common import (
+    add_decode_args,
+    add_model_args,
+    add_sampling_args,
+    cli_generator,
+    sampling_params,
+)
+from llmlib.generate import Generator
 from llmlib.prompts import Message
 from llmlib.sampling import SamplingParams
-from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
@@ -103,26 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--system", default=None, help="a system message to start the conversation with"
     )
-    ap.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the decode step (once, before the first turn: pays over a long chat)",
+    add_decode_args(
+        ap, "torch.compile the decode step (once, before the first turn: pays over a long chat)"
     )
-    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
     add_model_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
-        gen = load_generator(
-            *generator_args(args),
-            group_size=args.group_size,
-            compile=args.compile,
-            speculative=spec,
-        )
-        if args.compile:
-            gen.warmup()  # compile now, not in the middle of the first answer
+        gen = cli_generator(args)
         compiled = f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else ""
         print(f"(weights: {gen.weight_format}{compiled})", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:

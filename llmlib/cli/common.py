@@ -96,3 +96,26 @@ def generator_args(args: argparse.Namespace) -> tuple[Any, Any, Any, str | None]
 
     path = resolve_model_path(args.model)
     return (path, *auto_format(path, *model_format(args)))
+
+
+def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
+    """``--compile`` and ``--speculative``: how the one-request generator decodes."""
+    from llmlib.speculative.config import SPEC_HELP
+
+    ap.add_argument("--compile", action="store_true", help=compile_help)
+    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
+
+
+def cli_generator(args: argparse.Namespace) -> Any:
+    """The :class:`~llmlib.generate.Generator` the model, format and decode arguments ask for;
+    compiled now (``--compile``), so the first answer's timing is decoding, not compilation."""
+    from llmlib.generate import load_generator
+    from llmlib.speculative.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
+    gen = load_generator(
+        *generator_args(args), group_size=args.group_size, compile=args.compile, speculative=spec
+    )
+    if args.compile:
+        gen.warmup()
+    return gen

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmlib.cli.common import add_model_args, add_sampling_args, generator_args, sampling_params
-from llmlib.generate import load_generator
-from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
+from llmlib.cli.common import (
+    add_decode_args,
+    add_model_args,
+    add_sampling_args,
+    cli_generator,
+    sampling_params,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-stream", action="store_true", help="print the text only when done")
     ap.add_argument("--quiet", action="store_true", help="no timing line on stderr")
-    ap.add_argument(
-        "--compile", action="store_true", help="torch.compile the decode step (compiles once)"
-    )
-    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
+    add_decode_args(ap, "torch.compile the decode step (compiles once)")
     add_model_args(ap)
     ap.add_argument(
         "--tensor-parallel-size",
@@ -48,15 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return _sharded(args)
     try:
         params = sampling_params(args)
-        spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
-        gen = load_generator(
-            *generator_args(args),
-            group_size=args.group_size,
-            compile=args.compile,
-            speculative=spec,
-        )
-        if args.compile:
-            gen.warmup()  # compile now, so the timing line reports decode, not compilation
+        gen = cli_generator(args)
         # An instruction-tuned model answers a bare question badly (SmolLM2's first greedy token
         # after one is its end-of-turn token), so chat is the default whenever a template exists.
         chat = (
