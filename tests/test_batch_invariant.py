@@ -70,9 +70,12 @@ def test_the_default_mode_differs_somewhere(model):
 
 def test_batch_invariant_logits_match_the_default_mode_closely():
     # the invariant attention is attention: same numbers as the default path up to rounding
-    m = tiny(torch.float32)
-    ps = prompts(6)
-    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    _same_as_default_mode(tiny(torch.float32), prompts(6), max_tokens=6, logprobs=3)
+
+
+def _same_as_default_mode(m, ps, max_tokens: int, logprobs: int) -> None:
+    """Greedy tokens equal, log-probabilities within 1e-4, default mode against invariant."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
     a = LLM(m, num_blocks=128).generate(ps, sp, use_tqdm=False)
     b = LLM(m, num_blocks=128, batch_invariant=True).generate(ps, sp, use_tqdm=False)
     for x, y in zip(a, b):
@@ -90,13 +93,7 @@ def test_family_options_in_the_invariant_attention(extra):
     cfg = ModelConfig(**{**CFG.__dict__, **extra})
     m = tiny(torch.float32, cfg)
     ps = prompts(4)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
-    a = LLM(m, num_blocks=128).generate(ps, sp, use_tqdm=False)
-    b = LLM(m, num_blocks=128, batch_invariant=True).generate(ps, sp, use_tqdm=False)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert abs(lx.logprob - ly.logprob) < 1e-4
+    _same_as_default_mode(m, ps, max_tokens=8, logprobs=2)
     res = measure(engine(m, True), ps, max_tokens=8, cases=("batch-4", "chunk-7"))
     assert all(r.identical_share == 1.0 for r in res.values())
 
