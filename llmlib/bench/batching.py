@@ -26,43 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llmlib.bench._workload import Request, make_requests, run_continuous
 from llmlib.bench.invariance import cost_summary
 from llmlib.kv_cache import KVCache
-from llmlib.sampling import SamplingParams
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-def make_requests(
-    n: int,
-    vocab_size: int,
-    seed: int = 0,
-    prompt_range=(20, 200),
-    output_range=(16, 128),
-    low_id: int = 100,
-) -> list[Request]:
-    """``n`` requests with uniform random prompt and output lengths (random token ids)."""
-    rng = random.Random(seed)
-    return [
-        Request(
-            [rng.randrange(low_id, vocab_size) for _ in range(rng.randint(*prompt_range))],
-            rng.randint(*output_range),
-        )
-        for _ in range(n)
-    ]
-
 
 # ---- static batching ------------------------------------------------------------------------------
 
@@ -149,45 +121,6 @@ def run_sequential(model: Any, tokenizer: Any, requests: list[Request]) -> dict[
         for r in requests
     ]
     return {"outputs": outputs, "seconds": time.perf_counter() - t0}
-
-
-def run_continuous(
-    model: Any,
-    tokenizer: Any,
-    requests: list[Request],
-    max_num_seqs: int,
-    block_size: int,
-    max_num_batched_tokens: int,
-    num_blocks: int | None = None,
-    batch_invariant: bool = False,
-) -> dict[str, Any]:
-    from llmlib.engine import LLM
-
-    llm = LLM(
-        model,
-        tokenizer,
-        batch_invariant=batch_invariant,
-        max_num_seqs=max_num_seqs,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=False,
-    )
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
-    ]
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_ids for r in requests], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    st = llm.stats()
-    return {
-        "outputs": [o.token_ids for o in outs],
-        "seconds": dt,
-        "waste": st.waste,
-        "stats": st,
-        "pool_blocks": st.num_blocks,
-        "peak_used_blocks": st.peak_used_blocks,
-    }
 
 
 def static_batch_for_budget(requests: list[Request], kv_budget_tokens: int) -> int:
@@ -330,19 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="batch size of the static baseline (default: what the KV budget holds at the worst case)",
     )
-    ap.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=64,
-        help="most sequences the continuous engine runs at once",
-    )
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument(
-        "--sequential-subset",
-        type=int,
-        default=None,
-        help="time the (slow) sequential mode on only the first N requests",
+        "--sequential-subset", type=int, help="time the slow sequential mode on N requests only"
     )
     ap.add_argument(
         "--repeats",
@@ -356,10 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-invariant", action="store_true", help="time that mode too")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    from llmlib.bench.batching_formats import add_formats_args, main_formats
     from llmlib.cli.common import add_format_args, model_format
 
     add_format_args(ap, auto=False)
     ap.add_argument("--device", default="cpu")
+    add_formats_args(ap)
     args = ap.parse_args(argv)
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
@@ -367,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
+    if args.formats:
+        return main_formats(ap, args, log)
     from llmlib.generate import load_generator
 
-    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     device, dtype, q = model_format(args)
     gen = load_generator(args.model, device, dtype, q, group_size=args.group_size)
     model, tok = gen.model, gen.tokenizer
