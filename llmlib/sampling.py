@@ -295,6 +295,22 @@ def _param_tensors(params: Sequence[SamplingParams], vocab: int, device: torch.d
     return t, k, tp, mp
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a ``[B, V]`` tensor: the same indices (each row's first maximum, NaN
+    counting as one), found as the maximum of every chunk of columns, then the first chunk
+    holding the row's maximum. On the CPU this is faster than one argmax along a vocabulary-long
+    row; ``tests/test_sampling.py`` checks that both give the same indices."""
+    B, V = x.shape
+    chunk = 4096  # the largest power of two up to this that divides the vocabulary
+    while chunk > 256 and V % chunk:
+        chunk //= 2
+    if x.device.type != "cpu" or V % chunk or V < 4 * chunk:
+        return x.argmax(dim=-1)
+    best, where = x.view(B, V // chunk, chunk).max(dim=-1)
+    c = best.argmax(dim=-1, keepdim=True)
+    return (c * chunk + where.gather(1, c)).squeeze(1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -318,15 +334,14 @@ def sample(
         raise ValueError(f"sample got {len(params)} SamplingParams for a batch of {B} rows")
     if generators is not None and len(generators) != B:
         raise ValueError(f"sample got {len(generators)} generators for a batch of {B} rows")
-    logits = logits.float()
-
     if any(p.penalized for p in params):
-        logits = apply_penalties(logits, params, seen, outputs)
+        logits = apply_penalties(logits.float(), params, seen, outputs)
 
     greedy = [p.greedy for p in params]
-    out = logits.argmax(dim=-1)
+    out = argmax_rows(logits)  # in the logits' own dtype: converting first costs a full pass
     if all(greedy):
         return out
+    logits = logits.float()
     rows = [i for i, g in enumerate(greedy) if not g]
     sub = logits[rows]
     kept = [params[i] for i in rows]

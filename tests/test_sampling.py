@@ -10,6 +10,7 @@ import torch
 from llmlib.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    argmax_rows,
     filter_logits,
     probabilities,
     sample,
@@ -24,6 +25,21 @@ def test_greedy_is_argmax_per_row():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     out = sample(logits, [SamplingParams(temperature=0.0)] * 5)
     assert out.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 128256, 151936, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_argmax(vocab, dtype):
+    """The chunked argmax gives torch's indices: ties go to the first maximum (bfloat16 has many),
+    a NaN wins as in argmax, and vocabularies with no power-of-two chunk fall back."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g).to(dtype)
+    x[1] = 0.0  # one tie across every chunk
+    x[2, [7, vocab - 1]] = 99.0  # a tie in the first and the last chunk
+    x[3, vocab // 2] = float("nan")
+    x[4, -3:] = 50.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[1] == 0 and argmax_rows(x)[2] == 7
 
 
 def test_temperature_scales_the_distribution():
