@@ -11,6 +11,16 @@ import pkgutil
 import sys
 
 
+def save_json(res: dict, out: str | None) -> None:
+    """Write a benchmark's results to ``out`` (``--out``), folders made as needed; ``None``: no file."""
+    if out:
+        import json
+        from pathlib import Path
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+
+
 def available() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from llmlib.bench import save_json
 from llmlib.bench._workload import Request, make_requests, run_continuous
 from llmlib.bench.invariance import cost_summary
 from llmlib.kv_cache import KVCache
@@ -324,11 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         log=log,
         batch_invariant=args.batch_invariant,
     )
-    if args.out:
-        from pathlib import Path
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from llmlib.bench import save_json
 from llmlib.bench.formats import FORMATS, parse_formats
 
 PEER_SCRIPT = Path(__file__).with_name("_vllm_peer.py")
@@ -241,9 +242,7 @@ def main_formats(ap, args, log) -> int:
         log=log,
     )
     res["arguments"] = {k: v for k, v in vars(args).items() if k not in ("json", "out")}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

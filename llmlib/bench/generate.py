@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from llmlib.bench import save_json
 from llmlib.bench import speculative as spec_bench
 from llmlib.device import timings
 from llmlib.speculative.config import SPEC_HELP
@@ -207,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _formats_main(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from llmlib.bench import formats as F
     from llmlib.checkpoints import resolve_model_path
@@ -230,9 +230,7 @@ def _formats_main(args: argparse.Namespace) -> int:
         llama_cpp=not args.no_llama_cpp,
         log=log,
     )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

@@ -9,11 +9,11 @@ Correctness, not speed: it runs under ``cpu-run``, not ``bench-run``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from llmlib.bench import save_json
 from llmlib.invariance import CASES, measure, prompts_from_text
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "austen.txt"
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(len(c["divergences"]) for c in cases.values())
         share = min(c["identical_share"] for c in cases.values())
         print(f"{mode}: {n} greedy divergences; lowest share of identical steps {share:.1%}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    save_json(doc, args.out)
     return 0
 
 

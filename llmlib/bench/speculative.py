@@ -18,11 +18,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmlib.bench import save_json
 from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
 CODE = """def summarize(values):
@@ -231,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"llmlib bench generate: {e}; {SPEC_HELP}", file=sys.stderr)
         return 2
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))
     return 0
