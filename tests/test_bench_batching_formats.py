@@ -85,12 +85,16 @@ def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, cap
     out = tmp_path / "res.json"
     argv = ["--model", str(smollm2_path), "--formats", "float32,bfloat16", "--num-requests", "3"]
     argv += ["--output-len", "3", "3", "--prompt-len", "5", "9", "--repeats", "1"]
-    argv += ["--threads", "2", "--vllm-python", sys.executable, "--out", str(out)]
+    argv += ["--threads", "2", "--perplexity-tokens", "64"]
+    argv += ["--vllm-python", sys.executable, "--out", str(out)]
     assert batching.main(argv) == 0
     res = json.loads(out.read_text())
     rows = {r["name"]: r for r in res["formats"]}
     assert rows["float32"]["vs_float32"] == 1.0 and rows["float32"]["same_tokens_as_float32"] == 1.0
     assert rows["bfloat16"]["continuous_tokens_per_s"] > 0
+    assert rows["float32"]["perplexity_vs_float32"] == 1.0
+    assert 0.9 < rows["bfloat16"]["perplexity_vs_float32"] < 1.1
+    assert 0 <= rows["bfloat16"]["kl_vs_float32"] < 0.1
     r = rows["bfloat16"]
     assert r["vs_float32"] == pytest.approx(
         r["continuous_tokens_per_s"] / rows["float32"]["continuous_tokens_per_s"], rel=1e-2

@@ -88,7 +88,7 @@ def run(
     """``engine``: ``(max_num_seqs, block_size, max_num_batched_tokens, num_blocks)``."""
     import llmlib
     from llmlib.bench._workload import run_continuous
-    from llmlib.bench.formats import _quality, fp32_copy_check
+    from llmlib.bench.formats import fp32_copy_check, quality
     from llmlib.device import machine_info
 
     tok = llmlib.load_tokenizer(path)
@@ -126,10 +126,7 @@ def run(
     for r in rows.values():
         r[f"vs_{ref_name}"] = round(r["continuous_tokens_per_s"] / base, 3)
     if perplexity_tokens:
-        gens = {k: _Holder(m) for k, m in models.items()}
-        for r in rows.values():
-            r["compiled"] = False
-        _quality(gens, tok, perplexity_tokens, rows, log)
+        quality(models, tok, perplexity_tokens, rows, log)
     peers = []
     if vllm_python:
         fp32 = models.get("float32") or llmlib.load_model(path, "cpu", "float32", None)
@@ -172,11 +169,6 @@ def run(
         "formats": list(rows.values()),
         "peers": peers,
     }
-
-
-class _Holder:  # what bench.formats._quality reads of a generator: its model
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
 
 
 def print_table(res: dict[str, Any]) -> None:

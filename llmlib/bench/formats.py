@@ -233,7 +233,8 @@ def run(
         if "llama.cpp" in rows and r["name"] != "llama.cpp":
             r["vs_llama_cpp"] = round(r["tokens_per_s"] / rows["llama.cpp"]["tokens_per_s"], 2)
     if perplexity_tokens:
-        _quality(gens, tok, perplexity_tokens, rows, log)
+        eager = {k: g.model for k, g in gens.items() if not rows[k]["compiled"]}
+        quality(eager, tok, perplexity_tokens, rows, log)
     if memory:
         for label, r in rows.items():
             if label == "llama.cpp" or r["compiled"]:
@@ -253,22 +254,22 @@ def run(
     }
 
 
-def _quality(gens, tok, n: int, rows: dict, log) -> None:
+def quality(models: dict, tok, n: int, rows: dict, log) -> None:
+    """Perplexity of each model on ``n`` tokens of the book's text, and against ``models``'s
+    float32 (if present) its ratio, KL divergence and greedy agreement, into ``rows[label]``."""
     from llmlib.perplexity import book_text_ids, compare, perplexity
 
     ids = book_text_ids(tok, n)
-    ref = gens.get("float32")
-    ppl_ref = perplexity(ref.model, ids) if ref is not None else None
-    for label, g in gens.items():
-        if rows[label]["compiled"]:
-            continue
-        ppl = ppl_ref if g is ref else perplexity(g.model, ids)
+    ref = models.get("float32")
+    ppl_ref = perplexity(ref, ids) if ref is not None else None
+    for label, model in models.items():
+        ppl = ppl_ref if model is ref else perplexity(model, ids)
         r = rows[label]
         r["perplexity"] = round(ppl, 4)
         if ppl_ref:
             r["perplexity_vs_float32"] = round(ppl / ppl_ref, 4)
-            if g is not ref:
-                c = compare(ref.model, g.model, ids)
+            if model is not ref:
+                c = compare(ref, model, ids)
                 r["kl_vs_float32"] = round(c.kl, 5)
                 r["greedy_agreement"] = round(c.greedy_agreement, 4)
         log(f"{label}: perplexity {ppl:.3f}")
