@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from llmlib.compiled import compile_decode
 from llmlib.cuda_graphs import StaticKVCache
 from llmlib.kv_cache import KVCache
 from llmlib.linear import use_matvec_layout
@@ -130,14 +131,15 @@ class Generator:
         self._positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         self.last_result: GenerationResult | None = None
         # The decode step: eager (the reference the book reads), or torch.compile'd (inductor
-        # fuses each layer's small operators into a few C++/Triton kernels). Compiled lazily,
+        # fuses each layer's small operators into a few C++/Triton kernels; on the CPU, with
+        # bfloat16 or quantized weights, frozen and autotuned: llmlib.compiled). Compiled lazily,
         # once per Generator, on the first request; inductor's on-disk cache makes the next
         # process's compile a cache hit. ``compile_s`` is what the first compiled call cost.
         self.compile = bool(compile)
         self._step = decode_step
         self.compile_s: float | None = None
         if self.compile:
-            self._step = torch.compile(decode_step)
+            self._step = compile_decode(decode_step, model)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
                 f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"

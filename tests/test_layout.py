@@ -121,6 +121,7 @@ LAYERS = [
     {
         "llmlib.checkpoints",
         "llmlib.generate",
+        "llmlib.compiled",  # how the decode step is compiled on each device
         "llmlib.cuda_graphs",
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints

@@ -273,23 +273,35 @@ def test_int8_bfloat16_on_widths_the_kernel_mishandles(k: int, m: int) -> None:
 
 
 def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
-    """oneDNN's opaque bfloat16 layout reaches a compiled graph through ``llmlib::onednn_linear``:
-    one graph (no breaks), the eager tokens, and the bench accepts ``bfloat16+compile``."""
+    """oneDNN's opaque bfloat16 layout reaches a graph compiled with inductor's defaults through
+    ``llmlib::onednn_linear``: one graph (no breaks), the eager logits, and the bench accepts
+    ``bfloat16+compile``."""
     from torch._dynamo.utils import counters
 
     from llmlib.bench.formats import parse_formats
+    from llmlib.compiled import plain_bfloat16
+    from llmlib.generate import decode_step
+    from llmlib.kv_cache import KVCache
     from llmlib.linear import prepare_cpu_weights
+    from llmlib.onednn import OneDNNWeight
 
-    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
-    model = random_model(TINY.replace(vocab_size=tok.vocab_size), "cpu", torch.bfloat16)
+    cfg = TINY.replace(vocab_size=300)
+    model = random_model(cfg, "cpu", torch.bfloat16)
     prepare_cpu_weights(model)
-    eager = Generator(model, tok).generate("the cat", max_new_tokens=6, ignore_eos=True)
+    assert isinstance(model.layers[0].ffn.w_gate_up.weight, OneDNNWeight)
+
+    def step(fn):
+        cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 16, cfg.head_dim, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            model(torch.tensor([[5, 7, 9]]), torch.arange(3)[None], cache)
+            return fn(model, torch.tensor([[11]]), torch.tensor([[3]]), cache)
+
+    eager = step(decode_step)
     torch._dynamo.reset()
     counters.clear()
-    gen = Generator(model, tok, compile=True)
-    out = gen.generate("the cat", max_new_tokens=6, ignore_eos=True)
-    assert out.token_ids == eager.token_ids
+    compiled = step(torch.compile(decode_step))
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.allclose(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
     # a copy names its own matrix (the compiled operator finds matrices by that name)
     import copy
 
@@ -299,6 +311,37 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     w2 = copy.copy(w)
     assert w.handle != w2.handle and _ONEDNN_WEIGHTS[w2.handle] is w2
     assert parse_formats("float32,bfloat16+compile") == [("float32", False), ("bfloat16", True)]
+    # the Generator's CPU compile (llmlib.compiled) hands the graph plain matrices to freeze
+    dense = {n: m.weight.dequantize() for n, m in weight_matrices(model).items() if n != "embed"}
+    assert plain_bfloat16(model) == len(dense) > 0
+    for name, mod in weight_matrices(model).items():
+        assert not isinstance(mod.weight, OneDNNWeight)
+        if name in dense:
+            assert torch.equal(mod.weight, dense[name])
+
+
+def test_generator_compiles_cpu_int8_frozen() -> None:
+    """On the CPU a quantized (or bfloat16) model's decode step is compiled frozen and autotuned
+    (:mod:`llmlib.compiled`): one graph, the eager tokens; float32 keeps inductor's defaults.
+    (bfloat16 takes the same path; compiling it too would double this test's time.)"""
+    from torch._dynamo.utils import counters
+
+    from llmlib.compiled import compile_options
+    from llmlib.linear import prepare_cpu_weights
+
+    tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
+    model = random_model(TINY.replace(vocab_size=tok.vocab_size), "cpu", torch.bfloat16, seed=1)
+    quantize_model(model, "int8")
+    prepare_cpu_weights(model)
+    assert compile_options(model)["freezing"] is True
+    assert compile_options(random_model(TINY, "cpu")) is None
+    eager = Generator(model, tok).generate("the cat", max_new_tokens=6, ignore_eos=True)
+    torch._dynamo.reset()
+    counters.clear()
+    gen = Generator(model, tok, compile=True)
+    out = gen.generate("the cat", max_new_tokens=6, ignore_eos=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert out.token_ids == eager.token_ids
 
 
 def test_engine_kv_pool_in_the_models_dtype() -> None:

@@ -1,0 +1,90 @@
+"""How :class:`llmlib.generate.Generator` compiles its decode step, device by device.
+
+Once the weights shrink to bfloat16, int8 or int4, a decode step on the CPU costs less in bytes
+than in the work around them: ATen's weight-only kernels are tuned for many rows, and every small
+operator between them is a separate call. Two inductor settings address both:
+
+* ``freezing``: the weights become constants of the compiled graph, so inductor may re-store them
+  once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
+  layout for its weight-only int8/int4 kernels);
+* ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX and
+  AVX512-VNNI micro-kernels where the CPU has them) with the dequantization and the following
+  element-wise work fused in, and times them against ATen's for each shape (``ATEN`` stays a
+  choice), keeping the faster.
+
+What it costs: a longer first compile (the timing line reports it; inductor caches its kernels
+and choices on disk for the next process), constants a graph owns (the model keeps its own
+weights for prefill), and a compiled step that no longer sees later changes to the weights.
+
+float32 keeps inductor's defaults: freezing would add a second, blocked float32 copy, the one the
+loader already decided against (:func:`llmlib.linear.prepare_cpu_weights`). On CUDA the step
+keeps inductor's defaults too (Triton kernels; :mod:`llmlib.cuda_graphs` captures graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+#: inductor settings for a CPU decode step whose weights are bfloat16 or quantized
+CPU_OPTIONS: dict[str, Any] = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
+
+
+def compile_options(model: nn.Module) -> dict[str, Any] | None:
+    """The inductor options :func:`compile_decode` uses for ``model`` (None: the defaults)."""
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return None
+    dtype = getattr(model, "dtype", p.dtype)
+    return dict(CPU_OPTIONS) if dtype != torch.float32 else None
+
+
+def plain_bfloat16(model: nn.Module) -> int:
+    """Turn every :class:`~llmlib.onednn.OneDNNWeight` of ``model`` back into a plain bfloat16
+    matrix (the same numbers); return how many.
+
+    A compiled graph cannot see inside oneDNN's opaque tensors (they reach it only through the
+    ``llmlib::onednn_linear`` operator), so neither freezing nor inductor's kernels could re-store
+    or fuse them. Plain matrices they can; the model's eager prefill multiplies them as well.
+    """
+    from llmlib.onednn import OneDNNWeight
+    from llmlib.quantize import weight_matrices
+
+    n = 0
+    for mod in weight_matrices(model).values():
+        w = mod.weight
+        if isinstance(w, OneDNNWeight):
+            del mod.weight
+            mod.weight = nn.Parameter(w.dequantize(), requires_grad=False)
+            n += 1
+    return n
+
+
+def compile_decode(step: Callable, model: nn.Module) -> Callable:
+    """``torch.compile(step)`` with the options that serve ``model``'s device and format.
+
+    On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
+    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself: the Generator
+    that compiles owns its model's layout from then on.
+    """
+    options = compile_options(model)
+    if options is None:
+        return torch.compile(step)
+    plain_bfloat16(model)
+    compiled = torch.compile(step, options=options)
+
+    def frozen_step(*args: Any, **kwargs: Any) -> Any:
+        # dynamo reads ``freezing`` from the global config when it traces (it then treats the
+        # parameters as constants); ``options`` reach only inductor, so set it around each call,
+        # which covers a recompile too
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return frozen_step
