@@ -98,6 +98,15 @@ print(json.dumps({"rss": rss() - before - rope, "stored": stored_bytes(m)}))
 """
 
 
+def _rss_anon() -> int | None:
+    """This process's resident anonymous memory in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def resident_bytes(path: Path, dtype: str, quantization: str | None) -> dict[str, int]:
     """What loading the format adds to a fresh process's resident memory, and what it stores."""
     out = subprocess.run(
@@ -176,7 +185,10 @@ def run(
         dtype, q = FORMATS[name]
         model = llmlib.load_model(path, "cpu", dtype, q)
         gens[label] = g = Generator(model, tok, compile=comp)
+        before = _rss_anon()
         warm = g.warmup()
+        # what compiling added to this process: workspace, and the constants a frozen graph owns
+        grown = None if before is None or not comp else _rss_anon() - before
         rows[label] = {
             "name": label,
             "dtype": dtype,
@@ -184,9 +196,14 @@ def run(
             "compiled": comp,
             "weight_format": g.weight_format,
             "compile_s": round(warm, 2) if comp else None,
+            "compile_resident_bytes": grown,
             "weight_bytes_per_token": weight_bytes(model),
         }
-        log(f"loaded {label}: {g.weight_format}" + (f", compiled in {warm:.1f} s" if comp else ""))
+        log(
+            f"loaded {label}: {g.weight_format}"
+            + (f", compiled in {warm:.1f} s" if comp else "")
+            + (f", +{grown / 2**20:.0f} MiB resident" if grown is not None else "")
+        )
     ids = next(iter(gens.values())).encode_prompt(prompt, chat=True)[1]
     llama = _llama_cpp(path, threads, ids, new_tokens) if llama_cpp else None
     times: dict[str, list[float]] = {k: [] for k in gens}
