@@ -98,6 +98,10 @@ class Generator:
     on CPU, so for a loaded model this is a no-op); ``decode_layout=False`` leaves the model
     untouched.
 
+    ``compile=True`` hands the decode step to ``torch.compile`` (:func:`llmlib.compiled.compile_decode`).
+    On the CPU, a bfloat16 model's oneDNN-blocked matrices then go back to plain ones, which a
+    frozen graph packs for itself: the compiling Generator owns its model's layout.
+
     ``speculative`` (a :class:`~llmlib.speculative.SpeculativeConfig`) turns on speculative
     decoding: the output is the same (greedy) or has the same distribution (sampling); requests
     with penalties or a logit bias decode plainly.
