@@ -11,8 +11,8 @@ bandwidth measured in the same run (:func:`llmlib.roofline.measure_bandwidth`); 
 memory the loaded weights add to a fresh process, against the bytes the format stores; and,
 with ``--perplexity-tokens``, perplexity on the book's text, KL divergence from float32 and the
 share of greedy tokens that agree (:mod:`llmlib.perplexity`). Where ``llama-cpp-python`` is
-installed, llama.cpp decodes the same file in the same run (``n_batch=1``: this machine's build
-crashed on prompts processed with ``n_batch > 1``).
+installed, llama.cpp decodes the same weights in the same run, at each format's bits per weight
+(:mod:`llmlib.bench._llama_cpp`: F32, BF16 and Q8_0 copies of the file, and the file itself).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from llmlib.bench import _llama_cpp
 
 FORMATS = {  # name -> (dtype, quantization)
     "float32": ("float32", None),
@@ -119,46 +121,6 @@ def resident_bytes(path: Path, dtype: str, quantization: str | None) -> dict[str
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _llama_cpp(path: Path, threads: int, prompt_ids: list[int], new_tokens: int):
-    """A decode function for llama.cpp on ``path`` (None when llama-cpp-python is absent)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    import numpy as np
-
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=len(prompt_ids) + new_tokens + 8,
-        n_batch=1,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-
-    n_vocab = llm.n_vocab()
-
-    def last_argmax() -> int:  # the newest token's logits, straight from the context
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
-
-    def run() -> tuple[list[int], float]:
-        import time
-
-        llm.reset()
-        llm.eval(prompt_ids)
-        toks: list[int] = []
-        tok = last_argmax()
-        t0 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            toks.append(tok)
-            llm.eval([tok])
-            tok = last_argmax()
-        toks.append(tok)
-        return toks, time.perf_counter() - t0
-
-    return run
-
-
 def run(
     path: Path,
     formats: list[tuple[str, bool]],
@@ -205,12 +167,15 @@ def run(
             + (f", +{grown / 2**20:.0f} MiB resident" if grown is not None else "")
         )
     ids = next(iter(gens.values())).encode_prompt(prompt, chat=True)[1]
-    llama = _llama_cpp(path, threads, ids, new_tokens) if llama_cpp else None
-    times: dict[str, list[float]] = {k: [] for k in gens}
+    peers: dict[str, Any] = {}  # llama.cpp at each format's bits per weight, on the same weights
+    if llama_cpp and _llama_cpp.available():
+        for kind in dict.fromkeys(_llama_cpp.PEER_TYPES[n] for n, _ in formats):
+            copy = _llama_cpp.copy_of(path, kind, threads)
+            peers[_llama_cpp.label(kind)] = _llama_cpp.decoder(copy, threads, ids, new_tokens)
+    times: dict[str, list[float]] = {k: [] for k in [*gens, *peers]}
     tokens: dict[str, list[int]] = {}
-    if llama is not None:
-        times["llama.cpp"] = []
-        llama()  # warm up
+    for decode in peers.values():
+        decode()  # warm up
     bw = []
     for i in range(runs):
         bw.append(statistics.median(measure_bandwidth("cpu", reps=3)))
@@ -222,10 +187,10 @@ def run(
                 times[label].append(out.timing.decode_s / len(out.timing.step_s))
 
             timings(once, warmup=0, reps=1)
-        if llama is not None:
-            toks, secs = llama()
-            tokens["llama.cpp"] = toks
-            times["llama.cpp"].append(secs / (new_tokens - 1))
+        for name, decode in peers.items():
+            toks, secs = decode()
+            tokens[name] = toks
+            times[name].append(secs / (new_tokens - 1))
         log(f"run {i + 1}/{runs}: " + ", ".join(f"{k} {1 / v[-1]:.1f}" for k, v in times.items()))
     bandwidth = statistics.median(bw)
     ref = tokens.get("float32") or next(iter(tokens.values()))
@@ -241,20 +206,22 @@ def run(
         r["same_tokens_as_float32"] = round(
             sum(a == b for a, b in zip(tokens[label], ref)) / len(ref), 3
         )
-    if llama is not None:
-        step = statistics.median(times["llama.cpp"])
-        rows["llama.cpp"] = {"name": "llama.cpp", "tokens_per_s": round(1 / step, 2)}
+    for name in peers:
+        step = statistics.median(times[name])
+        rows[name] = {"name": name, "tokens_per_s": round(1 / step, 2)}
     base = rows.get("float32", {}).get("tokens_per_s")
     for r in rows.values():
         r["vs_float32"] = round(r["tokens_per_s"] / base, 2) if base else None
-        if "llama.cpp" in rows and r["name"] != "llama.cpp":
-            r["vs_llama_cpp"] = round(r["tokens_per_s"] / rows["llama.cpp"]["tokens_per_s"], 2)
+        peer = _llama_cpp.label(_llama_cpp.PEER_TYPES.get(r["name"].split("+")[0]))
+        if peer in rows and r["name"] not in peers:
+            r["llama_cpp_peer"] = peer
+            r["vs_llama_cpp"] = round(r["tokens_per_s"] / rows[peer]["tokens_per_s"], 2)
     if perplexity_tokens:
         eager = {k: g.model for k, g in gens.items() if not rows[k]["compiled"]}
         quality(eager, tok, perplexity_tokens, rows, log)
     if memory:
         for label, r in rows.items():
-            if label == "llama.cpp" or r["compiled"]:
+            if label in peers or r["compiled"]:
                 continue
             m = resident_bytes(path, r["dtype"], r["quantization"])
             r["resident_bytes"], r["stored_bytes"] = m["rss"], m["stored"]
