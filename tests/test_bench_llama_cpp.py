@@ -79,6 +79,9 @@ def test_copies_are_made_once_pure_and_from_the_same_file(tmp_path, fake_llama_c
 def test_each_format_is_compared_with_llama_cpp_at_its_own_bits(
     smollm2_path: Path, tmp_path, fake_llama_cpp, monkeypatch
 ) -> None:
+    """``llmlib bench generate --formats``: one row per format from the same run, ratios against
+    that run's float32 and against llama.cpp at the format's bits, bytes per token from the
+    stored weights, and a compile-memory field only on compiled rows."""
     model = tmp_path / smollm2_path.name
     model.symlink_to(smollm2_path)  # the copies land beside it, not in the shared cache
     monkeypatch.setattr(F.torch, "set_num_threads", lambda n: None)
@@ -98,3 +101,10 @@ def test_each_format_is_compared_with_llama_cpp_at_its_own_bits(
         assert r["llama_cpp_peer"] == peer
         assert r["vs_llama_cpp"] == round(r["tokens_per_s"] / rows[peer]["tokens_per_s"], 2)
     assert "vs_llama_cpp" not in rows["llama.cpp F32"]
+    f32, i8 = rows["float32"], rows["int8"]
+    assert f32["vs_float32"] == 1.0
+    assert i8["vs_float32"] == round(i8["tokens_per_s"] / f32["tokens_per_s"], 2)
+    # int8 stores a byte per weight (plus scales) where float32 stores four
+    assert 3.5 < f32["weight_bytes_per_token"] / i8["weight_bytes_per_token"] < 4.1
+    assert f32["compile_resident_bytes"] is None and i8["compile_resident_bytes"] is None
+    assert 0 < i8["same_tokens_as_float32"] <= 1 and f32["same_tokens_as_float32"] == 1

@@ -362,29 +362,3 @@ def test_engine_kv_pool_in_the_models_dtype() -> None:
         use_tqdm=False,
     )
     assert [len(o.token_ids) for o in outs] == [4, 4]
-
-
-def test_bench_generate_formats_rows_follow_their_own_timings(smollm2_path: Path) -> None:
-    """``llmlib bench generate --formats``: one row per format from the same run, ratios against
-    that run's float32, bytes per token from the stored weights, and a compile-memory field only
-    on compiled rows."""
-    from llmlib.bench import formats as F
-
-    res = F.run(
-        smollm2_path,
-        [("float32", False), ("int8", False)],
-        new_tokens=4,
-        runs=1,
-        memory=False,
-        llama_cpp=False,
-        log=lambda *_: None,
-    )
-    rows = {r["name"]: r for r in res["formats"]}
-    assert list(rows) == ["float32", "int8"]
-    f32, i8 = rows["float32"], rows["int8"]
-    assert f32["vs_float32"] == 1.0
-    assert i8["vs_float32"] == round(i8["tokens_per_s"] / f32["tokens_per_s"], 2)
-    # int8 stores a byte per weight (plus scales) where float32 stores four
-    assert 3.5 < f32["weight_bytes_per_token"] / i8["weight_bytes_per_token"] < 4.1
-    assert f32["compile_resident_bytes"] is None and i8["compile_resident_bytes"] is None
-    assert 0 < i8["same_tokens_as_float32"] <= 1 and f32["same_tokens_as_float32"] == 1
