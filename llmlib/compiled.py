@@ -7,10 +7,10 @@ operator between them is a separate call. Two inductor settings address both:
 * ``freezing``: the weights become constants of the compiled graph, so inductor may re-store them
   once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
   layout for its weight-only int8/int4 kernels);
-* ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX and
-  AVX512-VNNI micro-kernels where the CPU has them) with the dequantization and the following
-  element-wise work fused in, and times them against ATen's for each shape (``ATEN`` stays a
-  choice), keeping the faster.
+* ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX
+  micro-kernels where the CPU has them, AVX-512 or AVX2 ones elsewhere) with the dequantization
+  and the following element-wise work fused in, and times them against ATen's for each shape
+  (``ATEN`` stays a choice), keeping the faster.
 
 What it costs: a longer first compile (the timing line reports it; inductor caches its kernels
 and choices on disk for the next process), constants a graph owns (the model keeps its own
