@@ -142,14 +142,14 @@ class Generator:
         self.compile = bool(compile)
         self._step = decode_step
         self.compile_s: float | None = None
-        if self.compile:
-            self._step = compile_decode(decode_step, model)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
                 f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
             )
         if speculative is not None and self.compile:
             raise ValueError("speculative decoding runs eagerly: pass compile=False")
+        if self.compile:  # after the checks: compile_decode may re-store the model's matrices
+            self._step = compile_decode(decode_step, model)
         self.speculator = Speculator(speculative, model) if speculative is not None else None
 
     @property

@@ -83,11 +83,8 @@ def stored_bytes(model: torch.nn.Module) -> int:
 _RSS = """
 import ctypes, gc, json, os, sys, torch
 import llmlib
-from llmlib.bench.formats import stored_bytes
+from llmlib.bench.formats import _rss_anon as rss, stored_bytes
 torch.set_num_threads(1)
-def rss():  # resident anonymous memory (Linux): not the memory-mapped file's pages
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
 before = rss()
 m = llmlib.load_model(sys.argv[1], "cpu", sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3])
 gc.collect()
@@ -101,7 +98,8 @@ print(json.dumps({"rss": rss() - before - rope, "stored": stored_bytes(m)}))
 
 
 def _rss_anon() -> int | None:
-    """This process's resident anonymous memory in bytes (Linux), or None."""
+    """This process's resident anonymous memory in bytes (Linux), or None: what it allocated,
+    not the pages of a memory-mapped weights file."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
