@@ -122,6 +122,7 @@ LAYERS = [
         "llmlib.checkpoints",
         "llmlib.generate",
         "llmlib.compiled",  # how the decode step is compiled on each device
+        "llmlib.vnni",  # int8/int4 matrices re-stored for the engine's integer products
         "llmlib.cuda_graphs",
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints

@@ -194,7 +194,7 @@ def _format_name(model: Transformer, quantization: str) -> str:
         if isinstance(w, Int4Weight):
             kinds[f"int4 g{w.group_size}"] += 1
         elif isinstance(w, PackedWeight):
-            kinds[w.kind] += 1
+            kinds[getattr(w, "label", w.kind)] += 1
         else:
             kinds[str(w.dtype).removeprefix("torch.")] += 1
     inner = ", ".join(f"{k} x{n}" for k, n in kinds.most_common())

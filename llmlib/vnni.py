@@ -1,0 +1,288 @@
+"""int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI), for the batching
+engine: the activations are rounded to int8 in blocks of 32, as llama.cpp does.
+
+PyTorch's CPU weight-only kernels (:class:`llmlib.quantize.Int8Weight`, ``Int4Weight``) turn
+each stored code into a float before multiplying, so at many rows (a prefill chunk, a batch of
+decoding sequences) they are bound by float arithmetic. A CPU with VNNI multiplies bytes by
+bytes, 64 pairs per instruction into 16 int32 sums, but only if both sides are integers. So each
+row of activations is rounded too: every block of 32 values becomes int8 codes and one float
+scale (``max|x| / 127``), the integer sums are taken block by block, and each block's sum is
+scaled back by its activation scale and the weight's. That is no longer weight-only: it adds the
+activations' rounding error, which ``llmlib bench batching`` measures as perplexity against
+float32 beside each format's speed.
+
+Where it is used: :func:`repack_model`, which :class:`llmlib.LLM` applies to the int8/int4/gguf
+models it loads on a CPU. The batch-1 :class:`~llmlib.generate.Generator` keeps PyTorch's
+layouts, because ``torch.compile`` generates its own kernels for them (a custom operator stays
+an opaque call in the graph), and one token at a time is bound by memory, not arithmetic.
+
+The kernels are C++ (``llmlib/csrc/vnni.cpp``), compiled once per machine by
+``torch.utils.cpp_extension`` into its cache and loaded as the operators
+``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear``. They run where all of this holds: a CPU
+with AVX-512 VNNI, a C++ compiler, output widths that are multiples of 64 and input widths
+(and int4 groups) that are multiples of 32 (real models' are), and ``LLMLIB_VNNI`` not set to
+``0``. Elsewhere a matrix keeps PyTorch's kernel, with the same numbers as before.
+
+Layout (what :func:`pack_int8` / :func:`pack_int4` write): tiles of 64 output channels; inside a
+tile, for each group of four input columns, the 64 channels' four codes side by side, so one
+64-byte load holds four consecutive codes of 16 channels. int8 codes are stored plus 128 (the
+instruction's unsigned operand); int4 codes keep two groups of four columns per byte (low and
+high nibble), with each group's ``w = d * q + m`` constants in float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from llmlib.quantize import ChannelCodes, GroupCodes, PackedWeight
+
+TILE = 64  # output channels per tile
+BLOCK = 32  # activation values per int8 scale
+_SOURCE = Path(__file__).parent / "csrc" / "vnni.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-std=c++17"]
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU reports AVX-512 VNNI (with the BW and VL extensions the kernels use)."""
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):
+        return False
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (once per machine: the compiled library is cached) and load the kernels."""
+    from torch.utils import cpp_extension
+
+    built = Path(cpp_extension._get_build_directory("llmlib_vnni", False)) / "llmlib_vnni.so"
+    if not built.exists():
+        print("llmlib: compiling the VNNI int8/int4 kernels (once per machine)...", file=sys.stderr)
+    cpp_extension.load(
+        name="llmlib_vnni",
+        sources=[str(_SOURCE)],
+        extra_cflags=_FLAGS,
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_fakes()
+    return True
+
+
+def available() -> bool:
+    """Whether the VNNI kernels can run here (builds them on the first call that needs them)."""
+    if os.environ.get("LLMLIB_VNNI", "1") == "0" or not cpu_has_vnni():
+        return False
+    try:
+        return _load()
+    except Exception as e:  # no compiler, no ninja, an old toolchain: PyTorch's kernels serve
+        warnings.warn(f"llmlib: VNNI kernels unavailable ({e}); using PyTorch's", stacklevel=2)
+        return False
+
+
+def fits(shape: tuple[int, int], group_size: int | None = None) -> bool:
+    """Whether a ``[out, in]`` matrix (and int4 group size) has a VNNI layout."""
+    n, k = shape
+    return n % TILE == 0 and k % BLOCK == 0 and (group_size is None or group_size % BLOCK == 0)
+
+
+def _register_fakes() -> None:
+    # shapes for torch.compile: the operators run as extern calls inside a compiled graph
+    @torch.library.register_fake("llmlib_vnni::int8_linear")
+    def _(x, w, scale):
+        return x.new_empty(x.shape[0], w.shape[0] * TILE)
+
+    @torch.library.register_fake("llmlib_vnni::int4_linear")
+    def _(x, w, d, m, group):
+        return x.new_empty(x.shape[0], w.shape[0] * TILE)
+
+
+# ---- packing ---------------------------------------------------------------------------------
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[N, K]`` -> tiles ``[N/64, K*64]`` uint8 (codes + 128, four columns of 64
+    channels per 256 bytes)."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, k * TILE)
+
+
+def unpack_int8(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[*ids, K]`` of rows ``ids`` from :func:`pack_int8`'s tiles."""
+    t = w.view(-1, k // 4, TILE, 4)
+    flat = ids.reshape(-1)
+    rows = t[flat // TILE, :, flat % TILE, :].reshape(len(flat), k)
+    return (rows.to(torch.int16) - 128).to(torch.int8).view(*ids.shape, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[N, K]`` (0..15) -> tiles ``[N/64, K*32]``: per 8 columns, 4 x 64 bytes, the
+    low nibble holding columns 0-3 and the high nibble columns 4-7 of 16 channels."""
+    n, k = q.shape
+    t = q.to(torch.uint8).view(n // TILE, 4, 16, k // 8, 2, 4)  # tile, j, c, pair, half, i
+    lo, hi = t[:, :, :, :, 0], t[:, :, :, :, 1]
+    byte = lo | (hi << 4)  # [tile, j, c, pair, i]
+    return byte.permute(0, 3, 1, 2, 4).reshape(n // TILE, k * TILE // 2)
+
+
+def unpack_int4(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[*ids, K]`` of rows ``ids`` from :func:`pack_int4`'s tiles."""
+    t = w.view(-1, k // 8, 4, 16, 4)  # tile, pair, j, c, i
+    flat = ids.reshape(-1)
+    b = t[flat // TILE, :, (flat % TILE) // 16, flat % 16, :]  # [rows, pair, i]
+    q = torch.stack([b & 0x0F, b >> 4], dim=2)  # [rows, pair, half, i]
+    return q.reshape(*ids.shape, k)
+
+
+def _tiles(c: torch.Tensor) -> torch.Tensor:
+    """Per-group constants ``[N, K/g]`` -> ``[N/64, K/g * 64]`` float16, a tile's groups together."""
+    n, groups = c.shape
+    return c.view(n // TILE, TILE, groups).transpose(1, 2).reshape(n // TILE, groups * TILE)
+
+
+# ---- the weights ----------------------------------------------------------------------------
+
+
+class _VnniWeight(PackedWeight):
+    """Shared by both layouts: CPU only; ``.to(dtype)`` changes the activations' dtype (the
+    ``act`` marker) and leaves the codes and their constants as the kernel wants them."""
+
+    _constants = "act"
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        if not available():
+            raise RuntimeError(
+                "the VNNI kernels cannot run here (llmlib.vnni.available() is False)"
+            )
+        super().__init__(shape)
+
+    def _apply(self, fn, recurse=True):
+        act = fn(self.act)
+        if act.device.type != "cpu":
+            raise RuntimeError(
+                f"{self.kind} weights are laid out for this CPU's kernels; load the model on "
+                f"{act.device} instead of moving it there"
+            )
+        self.act = act
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):  # the kernels take these two
+            return super().linear(x.float(), bias).to(x.dtype)
+        return super().linear(x, bias)
+
+
+class VnniInt8Weight(_VnniWeight):
+    """int8 codes and per-row float32 scales in VNNI tiles: ``llmlib_vnni::int8_linear``."""
+
+    kind = "int8 vnni"
+
+    def __init__(self, codes: ChannelCodes, dtype: torch.dtype) -> None:
+        super().__init__(codes.shape)
+        self.register_buffer("act", torch.empty(0, dtype=dtype))
+        self.register_buffer("w", pack_int8(codes.q).contiguous())
+        self.register_buffer("scale", codes.scale.float().contiguous())
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmlib_vnni.int8_linear(x, self.w, self.scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = unpack_int8(self.w, self.shape[1], ids)
+        return (q.float() * self.scale[ids, None]).to(self.dtype)
+
+
+class VnniInt4Weight(_VnniWeight):
+    """4-bit codes in VNNI tiles, ``w = d * q + m`` per group in float16:
+    ``llmlib_vnni::int4_linear``."""
+
+    kind = "int4 vnni"
+
+    def __init__(self, codes: GroupCodes, dtype: torch.dtype) -> None:
+        super().__init__(codes.shape)
+        self.group_size = codes.group_size
+        self.register_buffer("act", torch.empty(0, dtype=dtype))
+        self.register_buffer("w", pack_int4(codes.q).contiguous())
+        # GroupCodes' convention is (q - 8) * scale + zero: d = scale, m = zero - 8 * scale
+        # (a GGUF Q4_1 block's own d and m, which float16 holds exactly)
+        d, m = codes.scale.float(), codes.zero.float() - 8 * codes.scale.float()
+        self.register_buffer("d", _tiles(d.half()).contiguous())
+        self.register_buffer("m", _tiles(m.half()).contiguous())
+
+    @property
+    def label(self) -> str:
+        return f"int4 g{self.group_size} vnni"
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmlib_vnni.int4_linear(x, self.w, self.d, self.m, self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        q = unpack_int4(self.w, k, ids).float()
+        tiles = ids // TILE
+        lane = ids % TILE
+        d = self.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+        m = self.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+        w = q * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
+        return w.to(self.dtype)
+
+
+# ---- a whole model ---------------------------------------------------------------------------
+
+
+def repack_model(model: torch.nn.Module) -> int:
+    """Re-store every int8/int4 matrix of a CPU model (PyTorch's layouts) in VNNI tiles, in place,
+    where the kernels run and the shape fits; return how many. The same codes and constants:
+    only the activations' rounding is new."""
+    from llmlib.quantize import Int4Weight, Int8Weight, _cpu_int4_unpack_rows, weight_matrices
+
+    todo = [
+        mod
+        for mod in weight_matrices(model).values()
+        if isinstance(mod.weight, (Int8Weight, Int4Weight))
+        and mod.weight.device.type == "cpu"
+        and fits(mod.weight.shape, getattr(mod.weight, "group_size", None))
+        # int4 codes can be read back from PyTorch's packed layout only where it was checked
+        and (
+            isinstance(mod.weight, Int8Weight)
+            or mod.weight.codes is not None
+            or mod.weight._readable
+        )
+    ]
+    if not todo or not available():
+        return 0
+    for mod in todo:
+        w = mod.weight
+        n, k = w.shape
+        if isinstance(w, Int8Weight):
+            new: PackedWeight = VnniInt8Weight(ChannelCodes(w.q[:, :k], w.scale.float()), w.dtype)
+        else:
+            if w.codes is not None:
+                q = torch.stack([w.codes & 0x0F, w.codes >> 4], dim=-1).view(n, k)
+            else:
+                q = _cpu_int4_unpack_rows(w.packed, n, k, torch.arange(n))
+            sz = w.scale_zero.float().transpose(0, 1)  # [N, K/g, 2]
+            new = VnniInt4Weight(GroupCodes(q, sz[..., 0], sz[..., 1], w.group_size), w.dtype)
+        del mod.weight
+        mod.weight = new
+    if isinstance(getattr(model, "weight_format", None), str):  # the timing line's name for it
+        from llmlib.checkpoints.build import _format_name
+
+        model.weight_format = _format_name(model, model.weight_format.split(" ")[0])
+    return len(todo)

@@ -1,0 +1,143 @@
+"""The VNNI int8/int4 kernels (llmlib.vnni): layouts, products against the same arithmetic in
+float64, the rows of a tied table, and a model re-stored for the batching engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf import TINY
+
+from llmlib import vnni
+from llmlib.engine.load import for_batches
+from llmlib.model import random_model
+from llmlib.quantize import (
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    weight_matrices,
+)
+
+needs_kernels = pytest.mark.skipif(
+    not vnni.available(), reason="no AVX-512 VNNI here (or no compiler): PyTorch's kernels serve"
+)
+
+
+def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int8_tiles_read_back_to_the_codes() -> None:
+    q = quantize_int8(_w(128, 96)).q
+    tiles = vnni.pack_int8(q)
+    assert tiles.shape == (2, 96 * 64) and tiles.dtype == torch.uint8
+    ids = torch.tensor([[0, 63], [64, 127]])
+    assert torch.equal(vnni.unpack_int8(tiles, 96, ids), q[ids])
+    # four consecutive codes of one channel lie side by side, the next channel's after them
+    assert (
+        tiles[0, :8].tolist() == (q[0, :4].int() + 128).tolist() + (q[1, :4].int() + 128).tolist()
+    )
+
+
+def test_int4_tiles_read_back_to_the_codes() -> None:
+    q = quantize_int4(_w(128, 64), 32).q
+    tiles = vnni.pack_int4(q)
+    assert tiles.shape == (2, 64 * 32)
+    ids = torch.arange(128)
+    assert torch.equal(vnni.unpack_int4(tiles, 64, ids), q)
+    # byte 0: channel 0's column 0 in the low nibble and column 4 in the high one
+    assert tiles[0, 0].item() == q[0, 0].item() | q[0, 4].item() << 4
+
+
+def test_shapes_that_fit() -> None:
+    assert vnni.fits((576, 1536)) and vnni.fits((960, 576), 32) and vnni.fits((3072, 576), 64)
+    assert not vnni.fits((80, 64)) and not vnni.fits((128, 48)) and not vnni.fits((128, 64), 16)
+
+
+def _round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation rounding, in PyTorch: int8 codes and a scale per 32 values."""
+    b = x.float().view(x.shape[0], -1, 32)
+    d = b.abs().amax(dim=2) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(b * inv[..., None]), d
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_is_its_arithmetic(dtype) -> None:
+    codes = quantize_int8(_w(192, 160))
+    w = vnni.VnniInt8Weight(codes, dtype)
+    x = torch.randn(5, 160).to(dtype)
+    xq, d = _round_rows(x)
+    blocks = xq.double().view(5, -1, 32)
+    qw = codes.q.double().view(192, -1, 32)
+    want = torch.einsum("mbi,nbi,mb->mn", blocks, qw, d.double()) * codes.scale.double()
+    got = w.linear(x)
+    assert got.dtype == dtype and got.shape == (5, 192)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # and close to the float product of the weights' codes: the activations' rounding only
+    ref = x.double() @ codes.dequantize().double().T
+    assert (got.double() - ref).norm() / ref.norm() < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_kernel_is_its_arithmetic(group) -> None:
+    codes = quantize_int4(_w(128, 128, seed=1), group)
+    w = vnni.VnniInt4Weight(codes, torch.float32)
+    x = torch.randn(3, 128)
+    xq, dx = _round_rows(x)
+    d = codes.scale.half().double()  # stored in float16, as the kernel reads them
+    m = (codes.zero - 8 * codes.scale).half().double()
+    wq = codes.q.double() * d.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+    want = torch.einsum(
+        "mbi,nbi,mb->mn", xq.double().view(3, -1, 32), wq.view(128, -1, 32), dx.double()
+    )
+    torch.testing.assert_close(
+        w.linear(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+    )
+    # rows() reads back what the kernel multiplies (the embedding lookup of a tied table)
+    torch.testing.assert_close(
+        w.rows(torch.tensor([0, 77])).double(), wq[[0, 77]], rtol=1e-6, atol=1e-6
+    )
+
+
+@needs_kernels
+def test_dtype_moves_change_the_activations_only() -> None:
+    w = vnni.VnniInt8Weight(quantize_int8(_w(64, 64)), torch.float32)
+    w.to(torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and w.scale.dtype == torch.float32 and w.w.dtype == torch.uint8
+    assert w.linear(torch.randn(2, 64).to(torch.bfloat16)).dtype == torch.bfloat16
+    assert w.linear(torch.randn(2, 64).half()).dtype == torch.float16  # through float32
+    with pytest.raises(RuntimeError, match="laid out for this CPU"):
+        w.to("meta")
+
+
+@needs_kernels
+def test_kernels_inside_torch_compile() -> None:
+    w = vnni.VnniInt4Weight(quantize_int4(_w(64, 64), 32), torch.float32)
+    x = torch.randn(2, 64)
+    f = torch.compile(lambda t: torch.relu(w.linear(t)), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(x), torch.relu(w.linear(x)))
+
+
+@needs_kernels
+def test_engine_model_restored_for_batches() -> None:
+    cfg = TINY.replace(d_model=64, ffn_dim=128, vocab_size=128, tie_embeddings=True)
+    ref = quantize_model(random_model(cfg, "cpu", torch.bfloat16), "int4")
+    model = quantize_model(random_model(cfg, "cpu", torch.bfloat16), "int4")
+    for_batches(model)
+    kinds = {type(m.weight) for m in weight_matrices(model).values()}
+    assert kinds == {vnni.VnniInt4Weight, vnni.VnniInt8Weight}  # int4 keeps the tied head in int8
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
+    with torch.no_grad():
+        a, b = model(ids).float(), ref(ids).float()
+    assert (a - b).norm() / b.norm() < 5e-2  # the same codes; the activations are rounded too
+    # a matrix the tiles do not fit keeps PyTorch's kernel
+    odd = quantize_model(random_model(TINY.replace(ffn_dim=80), "cpu", torch.bfloat16), "int8")
+    for_batches(odd)
+    downs = [m.weight for n, m in weight_matrices(odd).items() if n.endswith("w_down")]
+    assert all(isinstance(w, Int8Weight) for w in downs)
+    assert not any(isinstance(m.weight, Int4Weight) for m in weight_matrices(odd).values())
