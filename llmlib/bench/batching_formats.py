@@ -90,13 +90,15 @@ def run(
     from llmlib.bench._workload import run_continuous
     from llmlib.bench.formats import fp32_copy_check, quality
     from llmlib.device import machine_info
+    from llmlib.engine.load import for_batches
 
     tok = llmlib.load_tokenizer(path)
     models: dict[str, torch.nn.Module] = {}
     rows: dict[str, dict[str, Any]] = {}
     for name in formats:
         dtype, q = FORMATS[name]
-        models[name] = m = llmlib.load_model(path, "cpu", dtype, q)
+        # stored as LLM() stores what it loads
+        models[name] = m = for_batches(llmlib.load_model(path, "cpu", dtype, q))
         fmt = getattr(m, "weight_format", dtype)
         rows[name] = {"name": name, "dtype": dtype, "quantization": q, "weight_format": fmt}
         run_continuous(m, tok, requests[:4], *engine)  # warm up

@@ -15,7 +15,8 @@ def load_engine_model(
     dtype: torch.dtype | str | None,
     quantization: str | None,
 ) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` in the format asked for. A path with neither ``dtype`` nor
+    """``(model, tokenizer)`` in the format asked for, int8/int4 matrices stored for batches
+    (:func:`for_batches`). A path with neither ``dtype`` nor
     ``quantization`` gets the fastest format whose perplexity stays within 1% of float32 on this
     machine, for batches (:func:`llmlib.device.choose_format`); a loaded model is moved and
     quantized only where asked."""
@@ -30,15 +31,26 @@ def load_engine_model(
         loaded = load_model(path, place.device, place.dtype, quantization)
         if tokenizer is None:
             tokenizer = load_tokenizer_for(path, required=False)
-        return loaded, tokenizer
+        return for_batches(loaded), tokenizer
     if isinstance(model, torch.nn.Module):
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None)
         if quantization is not None:
             from llmlib.quantize import quantize_model
 
-            model = quantize_model(model, quantization)
+            model = for_batches(quantize_model(model, quantization))
         return model, tokenizer
     raise TypeError(
         f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
     )
+
+
+def for_batches(model: torch.nn.Module) -> torch.nn.Module:
+    """Store a CPU model's int8/int4 matrices for many-row products (:func:`llmlib.vnni.repack_model`:
+    integer dot products, where this CPU has them); a no-op for float models and other devices.
+    Only models the engine quantized or loaded itself: a model handed in already quantized may
+    be shared with a batch-1 Generator, which keeps PyTorch's layouts for ``torch.compile``."""
+    from llmlib.vnni import repack_model
+
+    repack_model(model)
+    return model
