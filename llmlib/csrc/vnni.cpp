@@ -81,68 +81,96 @@ inline void store16(T* y, __m512 v) {
   }
 }
 
-// One row of activations against one int8 tile: y[0..64).
-template <typename T>
+// R rows of activations against one int8 tile: y[r][0..64). Each 64-byte load of weights feeds
+// R instructions, one per row (the registers hold R x 4 integer and float accumulators).
+template <int R, typename T>
 void int8_tile(const uint8_t* w, const float* scale, const int8_t* xq, const float* sx,
-               const int32_t* sum, int64_t K, T* y) {
-  __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                    _mm512_setzero_ps()};
-  for (int64_t b = 0; b < K / QK; ++b) {
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                      _mm512_setzero_si512()};
+               const int32_t* sum, int64_t K, T* y, int64_t ldy) {
+  const int64_t nb = K / QK;
+  __m512 accf[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) accf[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * QK * TILE;
     for (int64_t g = 0; g < QK / 4; ++g) {
-      const __m512i xv = broadcast4(xq + b * QK + g * 4);
+      __m512i xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = broadcast4(xq + r * K + b * QK + g * 4);
       const uint8_t* wg = wb + g * 4 * TILE;
       for (int j = 0; j < 4; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(wg + j * 64 + PREFETCH), _MM_HINT_T0);
-        acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_loadu_si512(wg + j * 64), xv);
+        const __m512i wv = _mm512_loadu_si512(wg + j * 64);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv, xv[r]);
       }
     }
-    const __m512i corr = _mm512_set1_epi32(128 * sum[b]);
-    const __m512 s = _mm512_set1_ps(sx[b]);
-    for (int j = 0; j < 4; ++j)
-      accf[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[j], corr)), s, accf[j]);
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_set1_epi32(128 * sum[r * nb + b]);
+      const __m512 sv = _mm512_set1_ps(sx[r * nb + b]);
+      for (int j = 0; j < 4; ++j)
+        accf[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), sv,
+                                     accf[r][j]);
+    }
   }
-  for (int j = 0; j < 4; ++j) store16(y + j * 16, _mm512_mul_ps(accf[j], _mm512_loadu_ps(scale + j * 16)));
+  for (int j = 0; j < 4; ++j) {
+    const __m512 sc = _mm512_loadu_ps(scale + j * 16);
+    for (int r = 0; r < R; ++r) store16(y + r * ldy + j * 16, _mm512_mul_ps(accf[r][j], sc));
+  }
 }
 
-// One row of activations against one int4 tile: y[0..64). `d` and `m` are this tile's
+// R rows of activations against one int4 tile: y[r][0..64). `d` and `m` are this tile's
 // [K / group, 64] float16 constants.
-template <typename T>
+template <int R, typename T>
 void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t group,
-               const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y) {
+               const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
+               int64_t ldy) {
+  const int64_t nb = K / QK;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 accf[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                    _mm512_setzero_ps()};
-  for (int64_t b = 0; b < K / QK; ++b) {
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                      _mm512_setzero_si512()};
+  __m512 accf[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) accf[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * (QK / 2) * TILE;  // 32 columns x 64 channels, two per byte
     for (int64_t p = 0; p < QK / 8; ++p) {
-      const __m512i x0 = broadcast4(xq + b * QK + p * 8);
-      const __m512i x1 = broadcast4(xq + b * QK + p * 8 + 4);
+      __m512i x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        x0[r] = broadcast4(xq + r * K + b * QK + p * 8);
+        x1[r] = broadcast4(xq + r * K + b * QK + p * 8 + 4);
+      }
       const uint8_t* wp = wb + p * 4 * TILE;
       for (int j = 0; j < 4; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(wp + j * 64 + PREFETCH), _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(wp + j * 64);
-        acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_and_si512(raw, low), x0);
-        acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_and_si512(_mm512_srli_epi16(raw, 4), low), x1);
+        const __m512i lo = _mm512_and_si512(raw, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < R; ++r) {
+          acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], lo, x0[r]);
+          acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], hi, x1[r]);
+        }
       }
     }
     const int64_t g = (b * QK) / group;
-    const __m512 s = _mm512_set1_ps(sx[b]);
-    const __m512 ms = _mm512_set1_ps(sx[b] * static_cast<float>(sum[b]));
     for (int j = 0; j < 4; ++j) {
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(d + g * TILE + j * 16)));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(m + g * TILE + j * 16)));
-      accf[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[j]), s), dv, accf[j]);
-      accf[j] = _mm512_fmadd_ps(mv, ms, accf[j]);
+      const __m512 dv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * TILE + j * 16)));
+      const __m512 mv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * TILE + j * 16)));
+      for (int r = 0; r < R; ++r) {
+        const float e = sx[r * nb + b];
+        const __m512 sv = _mm512_set1_ps(e);
+        const __m512 ms = _mm512_set1_ps(e * static_cast<float>(sum[r * nb + b]));
+        accf[r][j] =
+            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][j]), sv), dv, accf[r][j]);
+        accf[r][j] = _mm512_fmadd_ps(mv, ms, accf[r][j]);
+      }
     }
   }
-  for (int j = 0; j < 4; ++j) store16(y + j * 16, accf[j]);
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < R; ++r) store16(y + r * ldy + j * 16, accf[r][j]);
 }
 
 // The rounded activations: per-thread scratch (a decode step's rows are small; no allocation
@@ -199,11 +227,16 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
     const float* sp = scale.data_ptr<float>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
-      for (int64_t t = a; t < e; ++t)
-        for (int64_t i = 0; i < M; ++i)
-          int8_tile(wp + t * K * TILE, sp + t * TILE, r.q.data() + i * K,
-                    r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK),
-                    K, yp + i * N + t * TILE);
+      for (int64_t t = a; t < e; ++t) {
+        const uint8_t* wt = wp + t * K * TILE;
+        int64_t i = 0;
+        for (; i + 2 <= M; i += 2)  // two rows share each load of the tile
+          int8_tile<2>(wt, sp + t * TILE, r.q.data() + i * K, r.scale.data() + i * (K / QK),
+                       r.sum.data() + i * (K / QK), K, yp + i * N + t * TILE, N);
+        if (i < M)
+          int8_tile<1>(wt, sp + t * TILE, r.q.data() + i * K, r.scale.data() + i * (K / QK),
+                       r.sum.data() + i * (K / QK), K, yp + i * N + t * TILE, N);
+      }
     });
   });
   return y;
@@ -229,11 +262,18 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
     const at::Half* mp = m.data_ptr<at::Half>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
-      for (int64_t t = a; t < e; ++t)
-        for (int64_t i = 0; i < M; ++i)
-          int4_tile(wp + t * K * TILE / 2, dp + t * per_tile, mp + t * per_tile, group,
-                    r.q.data() + i * K, r.scale.data() + i * (K / QK),
-                    r.sum.data() + i * (K / QK), K, yp + i * N + t * TILE);
+      for (int64_t t = a; t < e; ++t) {
+        const uint8_t* wt = wp + t * K * TILE / 2;
+        int64_t i = 0;
+        for (; i + 2 <= M; i += 2)  // two rows share each load (and unpacking) of the tile
+          int4_tile<2>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+                       r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
+                       yp + i * N + t * TILE, N);
+        if (i < M)
+          int4_tile<1>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+                       r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
+                       yp + i * N + t * TILE, N);
+      }
     });
   });
   return y;
