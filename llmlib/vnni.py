@@ -61,21 +61,35 @@ def cpu_has_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
 
 
-@functools.cache
-def _load() -> bool:
-    """Build (once per machine: the compiled library is cached) and load the kernels."""
+def _cached_library() -> bool:
     from torch.utils import cpp_extension
 
-    built = Path(cpp_extension._get_build_directory("llmlib_vnni", False)) / "llmlib_vnni.so"
-    if not built.exists():
+    try:
+        where = Path(cpp_extension._get_build_directory("llmlib_vnni", False))
+    except Exception:  # a private helper of cpp_extension: a newer PyTorch may move it
+        return False
+    return (where / "llmlib_vnni.so").exists()
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (once per machine: the compiled library is cached) and load the kernels; False,
+    with one warning, where that fails (no compiler, an old toolchain): PyTorch's kernels serve."""
+    from torch.utils import cpp_extension
+
+    if not _cached_library():
         print("llmlib: compiling the VNNI int8/int4 kernels (once per machine)...", file=sys.stderr)
-    cpp_extension.load(
-        name="llmlib_vnni",
-        sources=[str(_SOURCE)],
-        extra_cflags=_FLAGS,
-        is_python_module=False,
-        verbose=False,
-    )
+    try:
+        cpp_extension.load(
+            name="llmlib_vnni",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:
+        warnings.warn(f"llmlib: VNNI kernels unavailable ({e}); using PyTorch's", stacklevel=3)
+        return False
     _register_fakes()
     return True
 
@@ -84,11 +98,7 @@ def available() -> bool:
     """Whether the VNNI kernels can run here (builds them on the first call that needs them)."""
     if os.environ.get("LLMLIB_VNNI", "1") == "0" or not cpu_has_vnni():
         return False
-    try:
-        return _load()
-    except Exception as e:  # no compiler, no ninja, an old toolchain: PyTorch's kernels serve
-        warnings.warn(f"llmlib: VNNI kernels unavailable ({e}); using PyTorch's", stacklevel=2)
-        return False
+    return _load()
 
 
 def fits(shape: tuple[int, int], group_size: int | None = None) -> bool:

@@ -141,3 +141,20 @@ def test_engine_model_restored_for_batches() -> None:
     downs = [m.weight for n, m in weight_matrices(odd).items() if n.endswith("w_down")]
     assert all(isinstance(w, Int8Weight) for w in downs)
     assert not any(isinstance(m.weight, Int4Weight) for m in weight_matrices(odd).values())
+
+
+def test_without_the_kernels_pytorchs_serve(monkeypatch) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(vnni, "_cached_library", lambda: False)
+    with pytest.warns(UserWarning, match="no c..? compiler"):
+        assert vnni._load.__wrapped__() is False  # the build itself, past the cache
+    monkeypatch.setenv("LLMLIB_VNNI", "0")
+    assert not vnni.available()
+    model = quantize_model(random_model(TINY, "cpu", torch.bfloat16), "int8")
+    assert vnni.repack_model(model) == 0
+    assert all(isinstance(m.weight, Int8Weight) for m in weight_matrices(model).values())
