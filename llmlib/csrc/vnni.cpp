@@ -81,6 +81,18 @@ inline void store16(T* y, __m512 v) {
   }
 }
 
+// R rows x 4 groups of 16 channels: the accumulators of one tile, in registers
+template <int R>
+inline void zero(__m512 (&a)[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+}
+template <int R>
+inline void zero(__m512i (&a)[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_si512();
+}
+
 // R rows of activations against one int8 tile: y[r][0..64). Each 64-byte load of weights feeds
 // R instructions, one per row (the registers hold R x 4 integer and float accumulators).
 template <int R, typename T>
@@ -88,12 +100,10 @@ void int8_tile(const uint8_t* w, const float* scale, const int8_t* xq, const flo
                const int32_t* sum, int64_t K, T* y, int64_t ldy) {
   const int64_t nb = K / QK;
   __m512 accf[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) accf[r][j] = _mm512_setzero_ps();
+  zero(accf);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+    zero(acc);
     const uint8_t* wb = w + b * QK * TILE;
     for (int64_t g = 0; g < QK / 4; ++g) {
       __m512i xv[R];
@@ -128,12 +138,10 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
   const int64_t nb = K / QK;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 accf[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) accf[r][j] = _mm512_setzero_ps();
+  zero(accf);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+    zero(acc);
     const uint8_t* wb = w + b * (QK / 2) * TILE;  // 32 columns x 64 channels, two per byte
     for (int64_t p = 0; p < QK / 8; ++p) {
       __m512i x0[R], x1[R];
