@@ -48,6 +48,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "vnni.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-std=c++17"]
 
 
+@functools.cache
 def cpu_has_vnni() -> bool:
     """Whether this CPU reports AVX-512 VNNI (with the BW and VL extensions the kernels use)."""
     try:

@@ -158,3 +158,15 @@ def test_without_the_kernels_pytorchs_serve(monkeypatch) -> None:
     model = quantize_model(random_model(TINY, "cpu", torch.bfloat16), "int8")
     assert vnni.repack_model(model) == 0
     assert all(isinstance(m.weight, Int8Weight) for m in weight_matrices(model).values())
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_its_batch() -> None:
+    # rows go through the kernels in pairs, the last one alone: the same sums in the same order
+    w8 = vnni.VnniInt8Weight(quantize_int8(_w(128, 96)), torch.bfloat16)
+    w4 = vnni.VnniInt4Weight(quantize_int4(_w(128, 96), 32), torch.bfloat16)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    for w in (w8, w4):
+        batch = w.linear(x)
+        for i in range(5):
+            assert torch.equal(w.linear(x[i : i + 1])[0], batch[i])
