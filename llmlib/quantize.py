@@ -169,6 +169,11 @@ class PackedWeight(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0], device=self.device))
 
+    @property
+    def label(self) -> str:
+        """What the timing line calls this layout (``int8``, ``int4 g32``, ...)."""
+        return self.kind
+
     def extra_repr(self) -> str:
         return f"{self.kind}, shape={tuple(self.shape)}, dtype={self.dtype}"
 
@@ -207,6 +212,10 @@ class Int8Weight(PackedWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids][..., : self.shape[1]]
         return q.to(self.dtype) * self.scale[ids, None]
+
+    def to_codes(self) -> ChannelCodes:
+        """The codes and scales this was packed from (another kernel's layout starts there)."""
+        return ChannelCodes(self.q[:, : self.shape[1]], self.scale.float())
 
 
 # PyTorch's AVX-512 int4 layout packs 64 output channels at a time: for each input column k,
@@ -273,16 +282,33 @@ class Int4Weight(PackedWeight):
             q = codes.q.to(self.packed.device)
             self.register_buffer("codes", (q[:, ::2] | q[:, 1::2] << 4).to(torch.uint8))
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def label(self) -> str:
+        return f"int4 g{self.group_size}"
+
+    @property
+    def codes_readable(self) -> bool:
+        """Whether the 4-bit codes can be read back (kept plainly, or a checked packed layout)."""
+        return self.codes is not None or self._readable
+
+    def _codes(self, ids: torch.Tensor) -> torch.Tensor:
         n, k = self.shape
         if self.codes is not None:
             c = self.codes[ids]
-            q = torch.stack([c & 0x0F, c >> 4], dim=-1).view(*ids.shape, k)
-        elif self._readable:
+            return torch.stack([c & 0x0F, c >> 4], dim=-1).view(*ids.shape, k)
+        if self._readable:
             flat = ids.reshape(-1)
-            q = _cpu_int4_unpack_rows(self.packed, n, k, flat).view(*ids.shape, k)
-        else:
-            raise RuntimeError("Int4Weight.rows: the packed layout cannot be read back here")
+            return _cpu_int4_unpack_rows(self.packed, n, k, flat).view(*ids.shape, k)
+        raise RuntimeError("Int4Weight: the packed layout cannot be read back here")
+
+    def to_codes(self) -> GroupCodes:
+        """The codes, scales and zero points this was packed from (the constants as stored)."""
+        sz = self.scale_zero.float().transpose(0, 1)  # [N, K/g, 2]
+        q = self._codes(torch.arange(self.shape[0], device=self.packed.device))
+        return GroupCodes(q, sz[..., 0], sz[..., 1], self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self._codes(ids)
         sz = self.scale_zero[:, ids]  # [K/g, *ids, 2]
         s = sz[..., 0].movedim(0, -1).repeat_interleave(self.group_size, dim=-1)
         z = sz[..., 1].movedim(0, -1).repeat_interleave(self.group_size, dim=-1)

@@ -261,35 +261,24 @@ def repack_model(model: torch.nn.Module) -> int:
     """Re-store every int8/int4 matrix of a CPU model (PyTorch's layouts) in VNNI tiles, in place,
     where the kernels run and the shape fits; return how many. The same codes and constants:
     only the activations' rounding is new."""
-    from llmlib.quantize import Int4Weight, Int8Weight, _cpu_int4_unpack_rows, weight_matrices
+    from llmlib.quantize import Int4Weight, Int8Weight, weight_matrices
 
     todo = [
         mod
         for mod in weight_matrices(model).values()
-        if isinstance(mod.weight, (Int8Weight, Int4Weight))
+        if (
+            isinstance(mod.weight, Int8Weight)
+            or (isinstance(mod.weight, Int4Weight) and mod.weight.codes_readable)
+        )
         and mod.weight.device.type == "cpu"
         and fits(mod.weight.shape, getattr(mod.weight, "group_size", None))
-        # int4 codes can be read back from PyTorch's packed layout only where it was checked
-        and (
-            isinstance(mod.weight, Int8Weight)
-            or mod.weight.codes is not None
-            or mod.weight._readable
-        )
     ]
     if not todo or not available():
         return 0
     for mod in todo:
         w = mod.weight
-        n, k = w.shape
-        if isinstance(w, Int8Weight):
-            new: PackedWeight = VnniInt8Weight(ChannelCodes(w.q[:, :k], w.scale.float()), w.dtype)
-        else:
-            if w.codes is not None:
-                q = torch.stack([w.codes & 0x0F, w.codes >> 4], dim=-1).view(n, k)
-            else:
-                q = _cpu_int4_unpack_rows(w.packed, n, k, torch.arange(n))
-            sz = w.scale_zero.float().transpose(0, 1)  # [N, K/g, 2]
-            new = VnniInt4Weight(GroupCodes(q, sz[..., 0], sz[..., 1], w.group_size), w.dtype)
+        cls = VnniInt8Weight if isinstance(w, Int8Weight) else VnniInt4Weight
+        new = cls(w.to_codes(), w.dtype)
         del mod.weight
         mod.weight = new
     if isinstance(getattr(model, "weight_format", None), str):  # the timing line's name for it

@@ -186,15 +186,13 @@ def _format_name(model: Transformer, quantization: str) -> str:
     """``"gguf (int4 g32 x 210, int8 x 1) / bfloat16"``: what the weights are held in."""
     from collections import Counter
 
-    from llmlib.quantize import Int4Weight, PackedWeight, weight_matrices
+    from llmlib.quantize import PackedWeight, weight_matrices
 
     kinds: Counter[str] = Counter()
     for mod in weight_matrices(model).values():
         w = mod.weight
-        if isinstance(w, Int4Weight):
-            kinds[f"int4 g{w.group_size}"] += 1
-        elif isinstance(w, PackedWeight):
-            kinds[getattr(w, "label", w.kind)] += 1
+        if isinstance(w, PackedWeight):
+            kinds[w.label] += 1
         else:
             kinds[str(w.dtype).removeprefix("torch.")] += 1
     inner = ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
