@@ -34,62 +34,29 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import warnings
-from pathlib import Path
 
 import torch
 
+from llmlib import native
+from llmlib.native import AVX512, cpu_flags
 from llmlib.quantize import ChannelCodes, GroupCodes, PackedWeight
 
 TILE = 64  # output channels per tile
 BLOCK = 32  # activation values per int8 scale
-_SOURCE = Path(__file__).parent / "csrc" / "vnni.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-std=c++17"]
+_NAME = "llmlib_vnni"
+_FLAGS = [*AVX512, "-mavx512vnni"]
 
 
-@functools.cache
 def cpu_has_vnni() -> bool:
     """Whether this CPU reports AVX-512 VNNI (with the BW and VL extensions the kernels use)."""
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):
-        return False
-    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
-
-
-def _cached_library() -> bool:
-    from torch.utils import cpp_extension
-
-    try:
-        where = Path(cpp_extension._get_build_directory("llmlib_vnni", False))
-    except Exception:  # a private helper of cpp_extension: a newer PyTorch may move it
-        return False
-    return (where / "llmlib_vnni.so").exists()
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
 @functools.cache
 def _load() -> bool:
     """Build (once per machine: the compiled library is cached) and load the kernels; False,
     with one warning, where that fails (no compiler, an old toolchain): PyTorch's kernels serve."""
-    from torch.utils import cpp_extension
-
-    if not _cached_library():
-        print("llmlib: compiling the VNNI int8/int4 kernels (once per machine)...", file=sys.stderr)
-    try:
-        cpp_extension.load(
-            name="llmlib_vnni",
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:
-        warnings.warn(f"llmlib: VNNI kernels unavailable ({e}); using PyTorch's", stacklevel=3)
+    if not native.build(_NAME, "vnni.cpp", _FLAGS, "VNNI int8/int4 kernels"):
         return False
     _register_fakes()
     return True

@@ -97,6 +97,7 @@ LAYERS = [
     },  # the GGUF container: numpy only, read by the tokenizer too
     {
         "llmlib.device",
+        "llmlib.native",  # builds and loads the C++ kernels (llmlib/csrc)
         "llmlib.costs",
         "llmlib.capacity",
         "llmlib.tokenizer",

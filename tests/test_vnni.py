@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_gguf import TINY
 
-from llmlib import vnni
+from llmlib import native, vnni
 from llmlib.engine.load import for_batches
 from llmlib.model import random_model
 from llmlib.quantize import (
@@ -150,7 +150,7 @@ def test_without_the_kernels_pytorchs_serve(monkeypatch) -> None:
         raise RuntimeError("no c++ compiler")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(vnni, "_cached_library", lambda: False)
+    monkeypatch.setattr(native, "cached", lambda name: False)
     with pytest.warns(UserWarning, match="no c..? compiler"):
         assert vnni._load.__wrapped__() is False  # the build itself, past the cache
     monkeypatch.setenv("LLMLIB_VNNI", "0")

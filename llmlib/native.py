@@ -1,0 +1,69 @@
+"""The few C++ kernels llmlib compiles for this CPU (``llmlib/csrc``): built once per machine by
+``torch.utils.cpp_extension`` into its cache, then loaded as PyTorch operators.
+
+Two sets use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products) and
+:mod:`llmlib.engine.paged_kernel` (decode attention read straight out of the paged KV pool).
+Both are optional: where the CPU lacks the instructions, no compiler exists, or the build fails,
+:func:`build` says so once and the callers keep PyTorch's operators.
+
+Every kernel splits its work with ``at::parallel_for``, which is OpenMP inside PyTorch's CPU
+build. The header only spreads work over threads when the extension itself is compiled with
+OpenMP: without ``-fopenmp`` the pragma is silently ignored and the loop runs on one thread, so
+the flags here always carry it (and the extension then shares PyTorch's thread count).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+_COMMON = ["-O3", "-std=c++17", "-fopenmp"]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags this CPU reports (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        line = next(
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def cached(name: str) -> bool:
+    """Whether extension ``name`` is already compiled in cpp_extension's cache."""
+    from torch.utils import cpp_extension
+
+    try:
+        where = Path(cpp_extension._get_build_directory(name, False))
+    except Exception:  # a private helper of cpp_extension: a newer PyTorch may move it
+        return False
+    return (where / f"{name}.so").exists()
+
+
+def build(name: str, source: str, flags: list[str], what: str) -> bool:
+    """Compile (the first time on a machine) and load ``csrc/<source>`` as extension ``name``;
+    False, with one warning naming ``what``, where that fails. Callers cache the answer."""
+    from torch.utils import cpp_extension
+
+    if not cached(name):
+        print(f"llmlib: compiling the {what} (once per machine)...", file=sys.stderr)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / source)],
+            extra_cflags=_COMMON + flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:
+        warnings.warn(f"llmlib: {what} unavailable ({e}); using PyTorch's", stacklevel=3)
+        return False
+    return True
