@@ -16,11 +16,11 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   sequence, at or before its position). Several sequences may share a row back to back; the mask
   is then block-diagonal. Simple, and exactly attention over a contiguous cache.
 * ``out = step.attend(layer, q, k, v, attention)`` — what the engine uses. The step knows where
-  each sequence's tokens sit, so instead of one padded grid under a mask it computes attention
-  sequence by sequence: a prefill chunk attends over its own sequence's keys (causal, no wasted
-  scores on other sequences' keys), and all single-token (decode) chunks go through one batched
-  call over their gathered blocks. That lets the engine put *every* token of a step, prefill and
-  decode alike, in one row: one forward pass, one set of weight-matrix products per step.
+  each sequence's tokens sit, so it computes attention sequence by sequence: a prefill chunk
+  attends over its own sequence's keys (causal), and the single-token (decode) chunks go through
+  batched calls, on a CPU one kernel that reads each sequence's blocks in place
+  (:mod:`llmlib.engine.paged_kernel`). So *every* token of a step, prefill and decode alike, can
+  share one row: one forward pass, one set of weight-matrix products per step.
 
 A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method: a
 prefill chunk's attention applies it itself (causal within the window), and the decode groups'
@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from llmlib.attention import AttentionFn
+from llmlib.engine.paged_kernel import decode_attention, fused_options, serves_pool
 from llmlib.shapes import kv_cache_bytes
 
 
@@ -145,6 +146,7 @@ class DecodeGroup(NamedTuple):
     table: torch.Tensor  # [n * n_blocks] block ids, row-major; padding repeats a harmless block
     n_blocks: int
     mask: torch.Tensor  # [n, 1, 1, n_blocks * block_size]: key position <= the query's position
+    lens: torch.Tensor | None = None  # [n] keys each query sees (position + 1), for the kernel
 
 
 @dataclass
@@ -192,12 +194,10 @@ def paged_attend(
     """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
     sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
 
-    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``
-    meaning causal, aligned to the end). A multi-token chunk is one call over its sequence's
-    keys, causal; the single-token chunks are batched calls over their gathered blocks, masked
-    only where a short row's keys end before the longest row's. With a sliding ``window``
-    (which ``attention`` then also carries, for the prefill chunks' causal case) the decode masks
-    also hide keys ``window`` or more positions behind each query.
+    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``:
+    causal, aligned to the end). A multi-token chunk is one call over its sequence's keys; the
+    single-token chunks are the kernel's one call or batched calls over their gathered blocks,
+    masked where a row's keys end early (or, with a sliding ``window``, begin late).
     """
     write_kv(cache, layout, layer, k, v)
     B, H, T, D = q.shape
@@ -210,8 +210,14 @@ def paged_attend(
         # [1, H, n, D]
         o = attention(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None)
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
+    fast = fused_options(attention) if serves_pool(kp) else None
     for g in layout.decodes:
         n = len(g.rows)
+        if fast is not None and g.lens is not None:  # straight out of the pool, one pass
+            qd, table = q[g.rows, :, g.cols], g.table.view(n, g.n_blocks)  # qd [n, H, D]
+            o = decode_attention(qd, kp, vp, table, g.lens, window=window, **fast)
+            out[g.rows, g.cols] = o
+            continue
         # One query per head, and query head h reads KV head h // (H / Hkv): so the query heads
         # sharing a KV head can ride as that head's "queries" [n, Hkv, H / Hkv, D], all under
         # the same mask. Plain multi-head attention then, which no backend has to expand for GQA.
@@ -278,15 +284,14 @@ class PagedStep:
         # its longest member; padding is read and masked for nothing, so rows are sorted by length
         # and cut into groups of similar lengths (see _group_by_length).
         groups = []
-        for group in _group_by_length(decodes, bs):
+        one_call = serves_pool(cache.k[0])  # it reads only each row's own blocks
+        for group in _group_by_length(decodes, bs, 10**9 if one_call else 16):
             nb = max(len(d.blocks) for d in group)
-            # padding repeats block 0, masked below
-            table = torch.zeros((len(group), nb), dtype=torch.long)
+            table = torch.zeros((len(group), nb), dtype=torch.long)  # padding: block 0, masked
             for i, d in enumerate(group):
                 table[i, : len(d.blocks)] = torch.as_tensor(d.blocks)
             q_pos = torch.tensor([d.position for d in group])
-            # key position <= the query's position
-            mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]
+            mask = torch.arange(nb * bs)[None, :] <= q_pos[:, None]  # key at or before query
             groups.append(
                 DecodeGroup(
                     torch.tensor([d.row for d in group], device=dev),
@@ -294,6 +299,7 @@ class PagedStep:
                     table.view(-1).to(dev),
                     nb,
                     mask[:, None, None, :].to(dev),
+                    (q_pos + 1).to(dev),
                 )
             )
         self.layout = StepLayout(positions.to(dev), write_slots, write_index, prefills, groups)

@@ -1,0 +1,226 @@
+// Decode attention straight out of the paged KV pool (the batching engine's CPU path).
+//
+// A decoding sequence has one query per head and attends over every key of its sequence. Done
+// with PyTorch's operators, the keys and values of a batch of sequences are first gathered out of
+// their blocks into one padded tensor (a copy of everything the step reads), and only then handed
+// to scaled_dot_product_attention, which reads it all again. Here each (sequence, KV head) pair
+// walks its own block table and reads every key and value once, in place: the query heads that
+// share the KV head (grouped-query attention) score each key while it is in registers, and the
+// softmax is taken online, block by block (the running maximum, sum and weighted values of
+// flash attention), so nothing of size "keys" is ever written.
+//
+//   pool layout: [num_blocks, block_size, kv_heads, head_dim], token-major (llmlib.engine.paged_cache)
+//   q:           [n, heads, head_dim], the same dtype as the pool (float32 or bfloat16)
+//   table:       [n, max_blocks] int64, the blocks of each sequence in order (padding unread)
+//   lens:        [n] int64, keys each query sees: its position + 1
+//   window:      > 0: only the last `window` of those keys (a sliding-window layer)
+//   softcap:     > 0: scores squashed to softcap * tanh(score / softcap) (Gemma 2)
+//
+// The result is float32 [n, heads, head_dim]. tests/test_paged_kernel.py checks it against
+// llmlib's own attention functions over the gathered keys.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  // a bfloat16 is the top half of a float32: widen to 32 bits and shift into place
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// exp of 16 floats at once: 2^n * 2^f with n = round(x * log2 e) and |f| <= 1/2, 2^f by its
+// Taylor series to degree 7 (relative error below 1e-8, under float32's own rounding)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));  // exp(-100) is 0 to a softmax weight
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.6931471805599453f));
+  static const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t D) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + j * stride) + b, _MM_HINT_T0);
+}
+
+constexpr int64_t CHUNK = 16;  // keys scored, exponentiated and summed together (one vector)
+constexpr int64_t MAXG = 8;    // query heads per pass over a KV head's keys (registers)
+
+// Query heads q[0..G) (G at compile time, so their partial sums live in registers) that share
+// one KV head, over keys start..len-1 of one sequence; out[g] = softmax(q[g] K) V.
+template <typename T, int G>
+void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blocks, int64_t len,
+                  int64_t window, float scale, float softcap, int64_t bs, int64_t hkv, int64_t h,
+                  int64_t D, float* out, float* buf) {
+  const int64_t nv = D / 16;
+  float* qf = buf;            // [G, D] queries, scaled
+  float* acc = qf + G * D;    // [G, D] running sum of probability-weighted values
+  float* s = acc + G * D;     // [G, CHUNK] scores, then weights, of the current keys
+  float mx[G], sum[G];        // running maximum score; running sum of exp(score - maximum)
+  for (int g = 0; g < G; ++g) {
+    for (int64_t v = 0; v < nv; ++v) {
+      _mm512_storeu_ps(qf + g * D + v * 16,
+                       _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(acc + g * D + v * 16, _mm512_setzero_ps());
+    }
+    mx[g] = -std::numeric_limits<float>::infinity();
+    sum[g] = 0.0f;
+  }
+  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t tok_stride = hkv * D;  // elements between consecutive tokens of a block
+  for (int64_t t0 = start; t0 < len;) {
+    // up to CHUNK consecutive keys inside one block
+    const int64_t off = t0 % bs;
+    const int64_t cnt = std::min({bs - off, len - t0, CHUNK});
+    const int64_t base = ((blocks[t0 / bs] * bs + off) * hkv + h) * D;
+    const T* kp = kpool + base;
+    const T* vp = vpool + base;
+    if (t0 + cnt < len) {  // ask for the next keys and values now: the blocks lie anywhere
+      const int64_t o2 = (t0 + cnt) % bs, c2 = std::min({bs - o2, len - t0 - cnt, CHUNK});
+      const int64_t b2 = ((blocks[(t0 + cnt) / bs] * bs + o2) * hkv + h) * D;
+      prefetch_rows(kpool + b2, c2, tok_stride, D);
+      prefetch_rows(vpool + b2, c2, tok_stride, D);
+    }
+    for (int64_t j = 0; j < cnt; ++j) {  // scores: every query head, one key at a time
+      __m512 part[G];
+      for (int g = 0; g < G; ++g) part[g] = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m512 k = load16(kp + j * tok_stride + v * 16);
+        for (int g = 0; g < G; ++g)
+          part[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + v * 16), k, part[g]);
+      }
+      for (int g = 0; g < G; ++g) s[g * CHUNK + j] = _mm512_reduce_add_ps(part[g]);
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
+    __m512 al[G];
+    for (int g = 0; g < G; ++g) {  // the online softmax: rescale what came before
+      float* sg = s + g * CHUNK;
+      if (softcap > 0.0f)
+        for (int64_t j = 0; j < cnt; ++j) sg[j] = softcap * std::tanh(sg[j] / softcap);
+      const __m512 sc = _mm512_maskz_loadu_ps(live, sg);
+      const float m = std::max(mx[g], _mm512_mask_reduce_max_ps(live, sc));
+      const float alpha = std::exp(mx[g] - m);  // exp(-inf) = 0 on the first keys
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+      _mm512_storeu_ps(sg, e);
+      sum[g] = sum[g] * alpha + _mm512_reduce_add_ps(e);
+      mx[g] = m;
+      al[g] = _mm512_set1_ps(alpha);
+    }
+    for (int64_t v = 0; v < nv; ++v) {  // the values, weighted: G running sums per slice
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + v * 16), al[g]);
+      for (int64_t j = 0; j < cnt; ++j) {
+        const __m512 x = load16(vp + j * tok_stride + v * 16);
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * CHUNK + j]), x, a[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * D + v * 16, a[g]);
+    }
+    t0 += cnt;
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+    for (int64_t v = 0; v < nv; ++v)
+      _mm512_storeu_ps(out + g * D + v * 16,
+                       _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + v * 16), inv));
+  }
+}
+
+template <typename T>
+using HeadsFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float,
+                         float, int64_t, int64_t, int64_t, int64_t, float*, float*);
+
+template <typename T>
+HeadsFn<T> heads_fn(int64_t g) {
+  switch (g) {
+    case 1: return attend_heads<T, 1>;
+    case 2: return attend_heads<T, 2>;
+    case 3: return attend_heads<T, 3>;
+    case 4: return attend_heads<T, 4>;
+    case 5: return attend_heads<T, 5>;
+    case 6: return attend_heads<T, 6>;
+    case 7: return attend_heads<T, 7>;
+    default: return attend_heads<T, 8>;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+         const at::Tensor& lens, double scale, int64_t window, double softcap, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), hkv = k.size(2), maxb = table.size(1);
+  const int64_t G = H / hkv;              // query heads per KV head
+  const int64_t parts = (G + MAXG - 1) / MAXG;  // passes over each KV head's keys
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * hkv * parts, 1, [&](int64_t a, int64_t e) {
+    std::vector<float> buf(2 * MAXG * D + MAXG * CHUNK);
+    for (int64_t w = a; w < e; ++w) {
+      const int64_t i = w / (hkv * parts), h = (w / parts) % hkv, c = w % parts;
+      const int64_t g0 = c * MAXG, ng = std::min(MAXG, G - g0);
+      const int64_t head = h * G + g0;  // first query head of this pass
+      heads_fn<T>(ng)(qp + (i * H + head) * D, kp, vp, tp + i * maxb, lp[i], window,
+                      float(scale), float(softcap), bs, hkv, h, D, op + (i * H + head) * D,
+                      buf.data());
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& table, const at::Tensor& lens, double scale,
+                            int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "decode_attention: q [n, H, D], pools [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "decode_attention: q and the pools must share a dtype");
+  TORCH_CHECK(q.size(2) == k.size(3) && q.size(2) % 16 == 0, "decode_attention: head_dim % 16");
+  TORCH_CHECK(q.size(1) % k.size(2) == 0, "decode_attention: heads must be a multiple of Hkv");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  table.dim() == 2 && table.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "decode_attention: table [n, max_blocks] and lens [n], int64");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                  table.is_contiguous() && lens.is_contiguous(),
+              "decode_attention: contiguous inputs");
+  auto lens_max = q.size(0) ? lens.max().item<int64_t>() : 0;
+  TORCH_CHECK(lens_max <= table.size(1) * k.size(1), "decode_attention: lens exceed the table");
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat)
+    run<float>(q, k, v, table, lens, scale, window, softcap, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(q, k, v, table, lens, scale, window, softcap, out);
+  else
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16, got ", q.scalar_type());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmlib_paged, lib) {
+  lib.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, float scale, "
+      "int window, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmlib_paged, CPU, lib) { lib.impl("decode_attention", &decode_attention); }

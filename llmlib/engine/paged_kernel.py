@@ -1,0 +1,93 @@
+"""Decode attention read straight out of the paged pool: the engine's CPU kernel.
+
+:func:`~llmlib.engine.paged_cache.paged_attend` computes a batch of decoding sequences' attention
+with PyTorch's operators in two passes over the keys: ``index_select`` copies every sequence's
+blocks into one padded tensor, then ``scaled_dot_product_attention`` reads that copy. On a CPU
+the step is bound by memory, and the copy costs as much as the attention. The kernel
+(``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks each
+sequence's block table instead, reads every key and value once where it lies, and keeps the
+softmax running as it goes (flash attention's online form), so nothing of the keys' size is
+written and no sequence pays for another's padding.
+
+It serves where all of this holds: a CPU with AVX-512, a compiler, float32 or bfloat16 pools,
+a head size that is a multiple of 16, the layer's attention function being
+:func:`llmlib.attention.sdpa_attention` (with any score scale, soft cap or window), and
+``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere the two-pass path runs, as the reference the
+tests compare it with.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from llmlib import native
+from llmlib.attention import AttentionFn, sdpa_attention
+
+_NAME = "llmlib_paged"
+
+
+@functools.cache
+def _load() -> bool:
+    if not native.build(_NAME, "paged_attention.cpp", native.AVX512, "paged attention kernel"):
+        return False
+
+    @torch.library.register_fake("llmlib_paged::decode_attention")
+    def _(q, k, v, table, lens, scale, window, softcap):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
+    return True
+
+
+def available() -> bool:
+    """Whether the kernel can run on this machine (builds it on the first call that needs it)."""
+    if os.environ.get("LLMLIB_PAGED_KERNEL", "1") == "0":
+        return False
+    return {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags() and _load()
+
+
+def serves_pool(k_pool: torch.Tensor) -> bool:
+    """Whether a pool ``[blocks, block_size, kv_heads, head_dim]`` has the kernel's layout here."""
+    return (
+        k_pool.device.type == "cpu"
+        and k_pool.dtype in (torch.float32, torch.bfloat16)
+        and k_pool.shape[-1] % 16 == 0
+        and available()
+    )
+
+
+def fused_options(attention: AttentionFn) -> dict | None:
+    """The ``scale``/``softcap`` an attention function carries, if it is the fused
+    one (possibly a ``functools.partial`` of it); None for any other (the book's naive and tiled
+    attention keep their own arithmetic)."""
+    kw: dict = {}
+    while isinstance(attention, functools.partial):
+        kw = {**attention.keywords, **kw}
+        attention = attention.func
+    if attention is not sdpa_attention or set(kw) - {"scale", "softcap", "window"}:
+        return None
+    return {k: v for k, v in kw.items() if k != "window"}  # the step passes the layer's window
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence and head ``q [n, H, hd]`` over each sequence's first ``lens[i]``
+    keys (the blocks ``table[i]`` names, in order): ``[n, H, hd]`` in ``q``'s dtype. Query head
+    ``h`` reads KV head ``h // (H / Hkv)``, as grouped-query attention does."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.ops.llmlib_paged.decode_attention(
+        q.contiguous(), k_pool, v_pool, table, lens, scale, window or 0, softcap or 0.0
+    )
+    return out.to(q.dtype)

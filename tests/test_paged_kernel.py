@@ -1,0 +1,146 @@
+"""The paged decode-attention kernel equals attention over the gathered keys (the two-pass path
+it replaces), for every option a family sets, and the engine's tokens do not change with it."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmlib.attention import naive_attention, sdpa_attention, tiled_attention
+from llmlib.engine import paged_cache, paged_kernel
+from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+
+needs_kernel = pytest.mark.skipif(
+    not paged_kernel.available(), reason="no AVX-512 or no compiler: the kernel cannot run here"
+)
+
+
+def _pool_and_tables(n, lens, hkv, d, bs, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = max(-(-x // bs) for x in lens)
+    blocks = n * nb + 3
+    k = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
+    v = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(blocks, generator=g)
+    table = perm[: n * nb].view(n, nb).contiguous()  # scattered, unsorted blocks
+    return k, v, table
+
+
+def _reference(q, k, v, table, lens, window=None, scale=None, softcap=None):
+    """Gather each sequence's blocks, then attention in float64 under a mask."""
+    n, H, D = q.shape
+    bs, hkv = k.shape[1], k.shape[2]
+    nb = table.shape[1]
+    kd = k[table.view(-1)].view(n, nb * bs, hkv, D).transpose(1, 2).double()
+    vd = v[table.view(-1)].view(n, nb * bs, hkv, D).transpose(1, 2).double()
+    pos = torch.arange(nb * bs)[None, :]
+    mask = pos < lens[:, None]
+    if window is not None:
+        mask &= pos >= lens[:, None] - window
+    kd, vd = kd.repeat_interleave(H // hkv, 1), vd.repeat_interleave(H // hkv, 1)
+    s = (q.double()[:, :, None] @ kd.transpose(-1, -2)) * (scale or 1 / math.sqrt(D))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return (s.softmax(-1) @ vd)[:, :, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 16), (12, 1, 32), (16, 2, 128)])
+def test_kernel_equals_attention_over_gathered_keys(dtype, heads, hkv, d) -> None:
+    # 12 and 8 query heads per KV head: more than one pass over the keys (8 heads per pass)
+    bs = 16
+    lens = torch.tensor([1, 15, 16, 17, 40, 100])
+    k, v, table = _pool_and_tables(len(lens), lens.tolist(), hkv, d, bs, dtype)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for opts in ({}, {"window": 20}, {"scale": 0.3}, {"softcap": 5.0, "scale": 0.5}):
+        out = paged_kernel.decode_attention(q, k, v, table, lens, **opts)
+        assert out.dtype == dtype and out.shape == q.shape
+        ref = _reference(q, k, v, table, lens, **opts)
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0, msg=f"{opts}")
+
+
+@needs_kernel
+def test_block_size_not_a_multiple_of_the_chunk() -> None:
+    # the kernel scores 16 keys at a time, never across a block's end
+    lens = torch.tensor([5, 23, 37])
+    k, v, table = _pool_and_tables(3, lens.tolist(), 2, 16, 6, torch.float32)
+    q = torch.randn(3, 4, 16)
+    out = paged_kernel.decode_attention(q, k, v, table, lens)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, table, lens), atol=1e-5, rtol=0)
+
+
+def test_only_the_fused_function_is_replaced() -> None:
+    assert paged_kernel.fused_options(sdpa_attention) == {}
+    part = functools.partial(sdpa_attention, scale=0.5, window=8, softcap=3.0)
+    assert paged_kernel.fused_options(part) == {"scale": 0.5, "softcap": 3.0}
+    # the book's own arithmetic stays what it is
+    assert paged_kernel.fused_options(naive_attention) is None
+    assert paged_kernel.fused_options(functools.partial(tiled_attention, scale=0.5)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_step_same_with_and_without_kernel(monkeypatch, window) -> None:
+    """A packed step (prefills and decodes in one row): the kernel's decode rows equal the
+    gather path's, prefill rows are untouched."""
+    torch.manual_seed(0)
+    H, HKV, D, BS = 6, 2, 16, 4
+    seqs = [(9, 0), (13, 12), (7, 6), (30, 29), (5, 4)]  # one prefill, four decodes
+    cache = PagedKVCache(1, 40, HKV, BS, D)
+    perm = torch.randperm(40).tolist()
+    tables, p = [], 0
+    for n, _ in seqs:
+        tables.append(perm[p : p + -(-n // BS)])
+        p += -(-n // BS)
+    for (n, done), t in zip(seqs, tables):
+        if done:
+            kv = torch.randn(1, HKV, done, D)
+            cache.step([[SeqChunk(t, 0, done)]]).update(0, kv, kv.flip(-1))
+    T = sum(n - done for n, done in seqs)
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, HKV, T, D), torch.randn(1, HKV, T, D)
+    fn = sdpa_attention if window is None else functools.partial(sdpa_attention, window=window)
+    chunks = [[SeqChunk(t, done, n - done) for (n, done), t in zip(seqs, tables)]]
+    win = {} if window is None else {"window": window}
+    fast = cache.step(chunks).attend(0, q, k, v, fn, **win)
+    monkeypatch.setattr(paged_cache, "serves_pool", lambda pool: False)
+    slow = cache.step(chunks).attend(0, q, k, v, fn, **win)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_engine_tokens_unchanged_by_the_kernel(monkeypatch) -> None:
+    from test_gguf import TINY
+
+    from llmlib.engine import LLM
+    from llmlib.model import random_model
+    from llmlib.sampling import SamplingParams
+
+    model = random_model(TINY, "cpu", torch.float32, seed=3, std=0.3)  # peaked next tokens
+    prompts = [[5 + (i * 7 + j) % 50 for j in range(4 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(model, None, block_size=8, max_num_seqs=8)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fast = run()
+    monkeypatch.setattr(paged_cache, "serves_pool", lambda pool: False)
+    assert run() == fast
+
+
+def test_reference_is_plain_attention() -> None:
+    # the test's own reference agrees with PyTorch's fused attention on one gathered sequence
+    lens = torch.tensor([10])
+    k, v, table = _pool_and_tables(1, [10], 2, 16, 4, torch.float32)
+    q = torch.randn(1, 4, 16)
+    kd = k[table.view(-1)].view(1, -1, 2, 16)[:, :10].transpose(1, 2)
+    vd = v[table.view(-1)].view(1, -1, 2, 16)[:, :10].transpose(1, 2)
+    sd = F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(_reference(q, k, v, table, lens).float(), sd, atol=1e-5, rtol=0)
