@@ -27,6 +27,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -181,6 +182,15 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
     for (int r = 0; r < R; ++r) store16(y + r * ldy + j * 16, accf[r][j]);
 }
 
+// With many rows a tile is read from memory once and then from cache, once per pair of rows, so
+// the next tile is asked for a slice at a time while this one is worked on (before each pair):
+// the memory stream then runs under the arithmetic instead of between tiles.
+inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t pair, int64_t pairs) {
+  const int64_t per = (bytes / pairs + 63) / 64 * 64;
+  for (int64_t o = pair * per; o < std::min(bytes, (pair + 1) * per); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
 // The rounded activations: per-thread scratch (a decode step's rows are small; no allocation
 // per product), filled by the calling thread before the parallel loop reads it.
 // float32 or bfloat16 activations (check_input refuses the rest)
@@ -238,9 +248,11 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
       for (int64_t t = a; t < e; ++t) {
         const uint8_t* wt = wp + t * K * TILE;
         int64_t i = 0;
-        for (; i + 2 <= M; i += 2)  // two rows share each load of the tile
+        for (; i + 2 <= M; i += 2) {  // two rows share each load of the tile
+          if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE, K * TILE, i / 2, M / 2);
           int8_tile<2>(wt, sp + t * TILE, r.q.data() + i * K, r.scale.data() + i * (K / QK),
                        r.sum.data() + i * (K / QK), K, yp + i * N + t * TILE, N);
+        }
         if (i < M)
           int8_tile<1>(wt, sp + t * TILE, r.q.data() + i * K, r.scale.data() + i * (K / QK),
                        r.sum.data() + i * (K / QK), K, yp + i * N + t * TILE, N);
@@ -273,10 +285,12 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
       for (int64_t t = a; t < e; ++t) {
         const uint8_t* wt = wp + t * K * TILE / 2;
         int64_t i = 0;
-        for (; i + 2 <= M; i += 2)  // two rows share each load (and unpacking) of the tile
+        for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
+          if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE / 2, K * TILE / 2, i / 2, M / 2);
           int4_tile<2>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
                        r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
                        yp + i * N + t * TILE, N);
+        }
         if (i < M)
           int4_tile<1>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
                        r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
