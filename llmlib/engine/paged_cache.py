@@ -22,11 +22,10 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   (:mod:`llmlib.engine.paged_kernel`). So *every* token of a step, prefill and decode alike, can
   share one row: one forward pass, one set of weight-matrix products per step.
 
-A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method: a
-prefill chunk's attention applies it itself (causal within the window), and the decode groups'
-and the contract's masks hide keys ``W`` or more positions behind the query. Only the masks
-change: every block of a sequence stays allocated, read and gathered as for a full layer (freeing
-blocks that left every layer's window is a saving this engine does not make).
+A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method; the
+masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
+sequence stays allocated as for a full layer (freeing blocks that left every layer's window is a
+saving this engine does not make).
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ class PagedKVCache:
         # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.kernel = serves_pool(self.k[0])  # decode by llmlib.engine.paged_kernel (False: not)
 
     @property
     def bytes_per_block(self) -> int:
@@ -210,7 +210,7 @@ def paged_attend(
         # [1, H, n, D]
         o = attention(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None)
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
-    fast = fused_options(attention) if serves_pool(kp) else None
+    fast = fused_options(attention) if cache.kernel else None
     for g in layout.decodes:
         n = len(g.rows)
         if fast is not None and g.lens is not None:  # straight out of the pool, one pass
@@ -284,8 +284,8 @@ class PagedStep:
         # its longest member; padding is read and masked for nothing, so rows are sorted by length
         # and cut into groups of similar lengths (see _group_by_length).
         groups = []
-        one_call = serves_pool(cache.k[0])  # it reads only each row's own blocks
-        for group in _group_by_length(decodes, bs, 10**9 if one_call else 16):
+        # the kernel reads only each row's own blocks: one call
+        for group in _group_by_length(decodes, bs, 10**9 if cache.kernel else 16):
             nb = max(len(d.blocks) for d in group)
             table = torch.zeros((len(group), nb), dtype=torch.long)  # padding: block 0, masked
             for i, d in enumerate(group):
