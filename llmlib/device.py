@@ -15,6 +15,7 @@ the number is the work.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -74,16 +75,17 @@ def pick_dtype(
     return torch_dtype(dtype)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def native_bf16() -> bool:
@@ -98,11 +100,12 @@ def native_bf16() -> bool:
 #: whose perplexity stays within 1% of float32 on the book's text, as measured here by
 #: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
 #: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
-#: the recorded runs in results/. Batches favour bfloat16: AMX multiplies many rows of a
-#: bfloat16 matrix fast, while the weight-only kernels are made for one row.
+#: the recorded runs in results/. Batches get int8 where the CPU has AVX-512 VNNI (the engine
+#: re-stores int8 matrices for integer products, llmlib.vnni), else bfloat16: PyTorch's
+#: weight-only kernels are made for one row.
 AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "decode": (("bfloat16", "gguf"), ("bfloat16", "int8")),
-    "batched": (("bfloat16", None),),
+    "batched": (("bfloat16", "int8"), ("bfloat16", None)),
 }
 
 
@@ -120,8 +123,9 @@ def choose_format(
     repack."""
     dev = pick_device(device)
     if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
+        vnni = "avx512_vnni" in cpu_flags()
         for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
-            if q != "gguf" or gguf_blocks:
+            if (q != "gguf" or gguf_blocks) and (q != "int8" or not batched or vnni):
                 return Placement(dev, torch_dtype(d)), q
     return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization
 

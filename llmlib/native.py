@@ -14,26 +14,17 @@ the flags here always carry it (and the extension then shares PyTorch's thread c
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 from pathlib import Path
 
+from llmlib.device import cpu_flags
+
+__all__ = ["AVX512", "CSRC", "build", "cached", "cpu_flags"]
+
 CSRC = Path(__file__).parent / "csrc"
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 _COMMON = ["-O3", "-std=c++17", "-fopenmp"]
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags this CPU reports (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        line = next(
-            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split())
 
 
 def cached(name: str) -> bool:
