@@ -7,6 +7,9 @@ operator between them is a separate call. Two inductor settings address both:
 * ``freezing``: the weights become constants of the compiled graph, so inductor may re-store them
   once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
   layout for its weight-only int8/int4 kernels);
+* int8 and int4 matrices leave inductor's hands where the CPU has VNNI: :func:`compile_decode`
+  re-stores them for :mod:`llmlib.vnni`'s integer kernels, which the graph calls as they are
+  (the activations are then rounded to int8 too, as llama.cpp rounds them);
 * ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX
   micro-kernels where the CPU has them, AVX-512 or AVX2 ones elsewhere) with the dequantization
   and the following element-wise work fused in, and times them against ATen's for each shape
@@ -71,13 +74,19 @@ def compile_decode(step: Callable, model: nn.Module) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
     On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
-    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself: the Generator
-    that compiles owns its model's layout from then on.
+    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself, and int8/int4
+    matrices in :mod:`llmlib.vnni`'s tiles where those kernels run: the graph calls them as
+    extern kernels, which read the weights with every thread and multiply bytes by bytes, where
+    inductor's own weight-only kernels turn each code into a float first. The Generator that
+    compiles owns its model's layout from then on.
     """
     options = compile_options(model)
     if options is None:
         return torch.compile(step)
     plain_bfloat16(model)
+    from llmlib.vnni import repack_model
+
+    repack_model(model)
     compiled = torch.compile(step, options=options)
 
     def frozen_step(*args: Any, **kwargs: Any) -> Any:

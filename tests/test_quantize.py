@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from test_gguf import TINY, random_hf_weights, write_gguf
 
 import llmlib
+from llmlib import vnni
 from llmlib.checkpoints.quant import dequantize
 from llmlib.checkpoints.repack import block_codes, repack_error
 from llmlib.config import ModelConfig
@@ -335,12 +336,17 @@ def test_generator_compiles_cpu_int8_frozen() -> None:
     prepare_cpu_weights(model)
     assert compile_options(model)["freezing"] is True
     assert compile_options(random_model(TINY, "cpu")) is None
-    eager = Generator(model, tok).generate("the cat", max_new_tokens=6, ignore_eos=True)
     torch._dynamo.reset()
     counters.clear()
     gen = Generator(model, tok, compile=True)
     out = gen.generate("the cat", max_new_tokens=6, ignore_eos=True)
     assert not counters["graph_break"], dict(counters["graph_break"])
+    if vnni.available():  # compiling re-stored the int8 matrices for the integer kernels
+        assert any(
+            isinstance(m.weight, vnni.VnniInt8Weight) for m in weight_matrices(model).values()
+        )
+    # the eager step on the layout the compiled one owns now
+    eager = Generator(model, tok).generate("the cat", max_new_tokens=6, ignore_eos=True)
     assert out.token_ids == eager.token_ids
 
 

@@ -50,6 +50,7 @@ class StaticDecodeStep:
             table,
             blocks,
             mask,
+            torch.ones(rows, dtype=torch.long, device=dev),  # keys per row, for the CPU kernel
         )
         self.layout = StepLayout(
             positions=torch.zeros((1, rows), dtype=torch.long, device=dev),
@@ -101,6 +102,7 @@ class StaticDecodeStep:
         self.layout.write_slots.copy_(slots)
         group.table.copy_(table.view(-1))
         group.mask.copy_(mask[:, None, None, :])
+        group.lens.copy_(pos[0] + 1)
 
 
 def _bucket(n: int, limit: int) -> int:
