@@ -97,7 +97,8 @@ def native_bf16() -> bool:
 #: What ``llmlib generate/chat`` (one request, batch-1 decode) and ``LLM()``/``llmlib serve``
 #: (batched) run when neither a dtype nor a quantization is asked for, on a CPU with native
 #: bfloat16: the first that applies to the file, in this order. Fastest first among the formats
-#: whose perplexity stays within 1% of float32 on the book's text, as measured here by
+#: whose perplexity stays within 1% of float32 on the book's text (not int4, which re-rounds 4-bit
+#: blocks), as measured here by
 #: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
 #: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
 #: the recorded runs in results/. Batches get int8 where the CPU has AVX-512 VNNI (the engine

@@ -12,9 +12,9 @@ activations' rounding error, which ``llmlib bench batching`` measures as perplex
 float32 beside each format's speed.
 
 Where it is used: :func:`repack_model`, which :class:`llmlib.LLM` applies to the int8/int4/gguf
-models it loads on a CPU. The batch-1 :class:`~llmlib.generate.Generator` keeps PyTorch's
-layouts, because ``torch.compile`` generates its own kernels for them (a custom operator stays
-an opaque call in the graph), and one token at a time is bound by memory, not arithmetic.
+models it loads on a CPU, and which a compiled batch-1 :class:`~llmlib.generate.Generator`
+applies to its model (:func:`llmlib.compiled.compile_decode`: the graph calls the kernels as
+extern operators). The eager Generator keeps PyTorch's weight-only layouts, the reference.
 
 The kernels are C++ (``llmlib/csrc/vnni.cpp``), compiled once per machine by
 ``torch.utils.cpp_extension`` into its cache and loaded as the operators

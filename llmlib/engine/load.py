@@ -49,7 +49,7 @@ def for_batches(model: torch.nn.Module) -> torch.nn.Module:
     """Store a CPU model's int8/int4 matrices for many-row products (:func:`llmlib.vnni.repack_model`:
     integer dot products, where this CPU has them); a no-op for float models and other devices.
     Only models the engine quantized or loaded itself: a model handed in already quantized may
-    be shared with a batch-1 Generator, which keeps PyTorch's layouts for ``torch.compile``."""
+    be shared with an eager batch-1 Generator, which reads PyTorch's layouts as the reference."""
     from llmlib.vnni import repack_model
 
     repack_model(model)
