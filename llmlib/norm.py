@@ -7,9 +7,14 @@ queries and keys (Qwen3, Gemma 3: :mod:`llmlib.attention`). ``llmlib.block.RMSNo
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmlib import native
 
 
 class RMSNorm(nn.Module):
@@ -41,8 +46,36 @@ class RMSNorm(nn.Module):
         # PyTorch's fused kernel: one call instead of five. In float32 the same numbers; in
         # bfloat16 it sums in float32 too, and applies the gain before rounding back, not after
         if x.dtype == torch.float32 or x.dtype == self.weight.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, weight.shape, weight, eps)``: on the CPU, outside ``torch.compile`` and
+    autograd, one fused pass per row in C++ (``llmlib/csrc/rms_norm.cpp``), since PyTorch's CPU
+    version is a chain of separate operators; the same arithmetic, float32 inside, one rounding at
+    the end. A compiled graph fuses the plain version itself. ``LLMLIB_FUSED_NORM=0`` turns the
+    kernel off."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.device.type == "cpu" and not grad and not torch.compiler.is_compiling() and _fused():
+        if (x.dtype, weight.dtype) in _FUSED_DTYPES:
+            return torch.ops.llmlib_norm.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+_FUSED_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16)}
+_FUSED_DTYPES.add((torch.bfloat16, torch.bfloat16))
+
+
+def _fused() -> bool:
+    return os.environ.get("LLMLIB_FUSED_NORM", "1") != "0" and _built()
+
+
+@functools.cache
+def _built() -> bool:
+    if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
+        return False
+    return native.build("llmlib_norm", "rms_norm.cpp", native.AVX512, "fused RMSNorm kernel")
