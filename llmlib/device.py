@@ -101,12 +101,12 @@ def native_bf16() -> bool:
 #: blocks), as measured here by
 #: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
 #: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
-#: the recorded runs in results/. Batches get int8 where the CPU has AVX-512 VNNI (the engine
-#: re-stores int8 matrices for integer products, llmlib.vnni), else bfloat16: PyTorch's
-#: weight-only kernels are made for one row.
+#: the recorded runs in results/. Batches get the integer formats only where the CPU has AVX-512
+#: VNNI (the engine re-stores their matrices for integer products, llmlib.vnni), else bfloat16:
+#: PyTorch's weight-only kernels are made for one row.
 AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "decode": (("bfloat16", "gguf"), ("bfloat16", "int8")),
-    "batched": (("bfloat16", "int8"), ("bfloat16", None)),
+    "batched": (("bfloat16", "gguf"), ("bfloat16", "int8"), ("bfloat16", None)),
 }
 
 
@@ -126,7 +126,7 @@ def choose_format(
     if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
         vnni = "avx512_vnni" in cpu_flags()
         for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
-            if (q != "gguf" or gguf_blocks) and (q != "int8" or not batched or vnni):
+            if (q != "gguf" or gguf_blocks) and (q is None or not batched or vnni):
                 return Placement(dev, torch_dtype(d)), q
     return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization
 

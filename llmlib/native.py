@@ -1,10 +1,11 @@
 """The few C++ kernels llmlib compiles for this CPU (``llmlib/csrc``): built once per machine by
 ``torch.utils.cpp_extension`` into its cache, then loaded as PyTorch operators.
 
-Two sets use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products) and
-:mod:`llmlib.engine.paged_kernel` (decode attention read straight out of the paged KV pool).
-Both are optional: where the CPU lacks the instructions, no compiler exists, or the build fails,
-:func:`build` says so once and the callers keep PyTorch's operators.
+Three use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products),
+:mod:`llmlib.engine.paged_kernel` (decode attention read straight out of the paged KV pool) and
+:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). All are optional: where the CPU lacks
+the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
+callers keep PyTorch's operators.
 
 Every kernel splits its work with ``at::parallel_for``, which is OpenMP inside PyTorch's CPU
 build. The header only spreads work over threads when the extension itself is compiled with
@@ -20,11 +21,16 @@ from pathlib import Path
 
 from llmlib.device import cpu_flags
 
-__all__ = ["AVX512", "CSRC", "build", "cached", "cpu_flags"]
+__all__ = ["AVX512", "CSRC", "build", "cached", "cpu_flags", "has_avx512"]
 
 CSRC = Path(__file__).parent / "csrc"
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 _COMMON = ["-O3", "-std=c++17", "-fopenmp"]
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has the AVX-512 subsets (F, BW, VL) that every kernel here is built for."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
 def cached(name: str) -> bool:

@@ -76,6 +76,6 @@ def _fused() -> bool:
 
 @functools.cache
 def _built() -> bool:
-    if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
+    if not native.has_avx512():
         return False
     return native.build("llmlib_norm", "rms_norm.cpp", native.AVX512, "fused RMSNorm kernel")

@@ -2,12 +2,12 @@
 
 :func:`~llmlib.engine.paged_cache.paged_attend` computes a batch of decoding sequences' attention
 with PyTorch's operators in two passes over the keys: ``index_select`` copies every sequence's
-blocks into one padded tensor, then ``scaled_dot_product_attention`` reads that copy. On a CPU
-the step is bound by memory, and the copy costs as much as the attention. The kernel
-(``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks each
-sequence's block table instead, reads every key and value once where it lies, and keeps the
-softmax running as it goes (flash attention's online form), so nothing of the keys' size is
-written and no sequence pays for another's padding.
+blocks into one padded tensor, then ``scaled_dot_product_attention`` reads that copy. On a CPU the
+step is bound by memory, and the copy costs a large share of what the attention does. The kernel
+(``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks each sequence's
+block table instead, reads every key and value once where it lies, and keeps the softmax running as
+it goes (flash attention's online form), so nothing of the keys' size is written and no sequence
+pays for another's padding.
 
 It serves where all of this holds: a CPU with AVX-512, a compiler, float32 or bfloat16 pools,
 a head size that is a multiple of 16, the layer's attention function being
@@ -46,7 +46,7 @@ def available() -> bool:
     """Whether the kernel can run on this machine (builds it on the first call that needs it)."""
     if os.environ.get("LLMLIB_PAGED_KERNEL", "1") == "0":
         return False
-    return {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags() and _load()
+    return native.has_avx512() and _load()
 
 
 def serves_pool(k_pool: torch.Tensor) -> bool:
