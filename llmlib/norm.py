@@ -43,8 +43,8 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return (x32 * (self.offset + self.weight.float())).to(x.dtype)
-        # PyTorch's fused kernel: one call instead of five. In float32 the same numbers; in
-        # bfloat16 it sums in float32 too, and applies the gain before rounding back, not after
+        # F.rms_norm's arithmetic (fused on the CPU, see rms_norm): in bfloat16 it sums in
+        # float32 too, and applies the gain before rounding back, not after
         if x.dtype == torch.float32 or x.dtype == self.weight.dtype:
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -66,8 +66,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-_FUSED_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16)}
-_FUSED_DTYPES.add((torch.bfloat16, torch.bfloat16))
+_FUSED_DTYPES = {  # (x, weight) pairs the kernel takes
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+}
 
 
 def _fused() -> bool:
