@@ -163,8 +163,7 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     mats = [p for p in model.parameters() if p.dim() == 2]
     if not mats or any(p.device.type != "cpu" for p in mats):
         return
-    if all(p.dtype == torch.bfloat16 for p in mats) and _packing_available():
-        pack_bfloat16(model)
+    if all(p.dtype == torch.bfloat16 for p in mats) and pack_bfloat16(model):
         return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
 
@@ -172,10 +171,14 @@ def prepare_cpu_weights(model: nn.Module) -> None:
 def pack_bfloat16(model: nn.Module) -> int:
     """Hold every bfloat16 weight matrix of a CPU model only in oneDNN's blocked layout
     (:class:`llmlib.onednn.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
-    as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows."""
-    from llmlib.onednn import OneDNNWeight
+    as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows.
+    Where oneDNN has no bfloat16 path on this CPU (AVX2 only), nothing changes and 0 comes back:
+    the matrices stay plain bfloat16 tensors."""
+    from llmlib.onednn import OneDNNWeight, available
     from llmlib.quantize import weight_matrices
 
+    if not available():
+        return 0
     n = 0
     for name, mod in weight_matrices(model).items():
         w = mod.weight

@@ -9,12 +9,29 @@ bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
 import torch
 
 from llmlib.quantize import PackedWeight
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this PyTorch and CPU re-order bfloat16 matrices for oneDNN: the op must exist, and
+    oneDNN refuses its bfloat16 path on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an
+    AVX2-only machine). Probed once on a small matrix, so the answer is PyTorch's own."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class OneDNNWeight(PackedWeight):

@@ -218,22 +218,27 @@ class Int8Weight(PackedWeight):
         return ChannelCodes(self.q[:, : self.shape[1]], self.scale.float())
 
 
-# PyTorch's AVX-512 int4 layout packs 64 output channels at a time: for each input column k,
-# 32 bytes, byte (lane % 2) * 16 + (n % 16) holding channel n's code in its low (lanes 0, 1) or
-# high (lanes 2, 3) nibble, where lane = (n % 64) // 16. Reading a row back (the embedding lookup
-# of a tied table) needs this map; Int4Weight checks it against the codes at pack time and keeps
-# the plain codes instead where the kernel packed differently (another CPU, another version).
-_CPU_BLOCK_N = 64
+# PyTorch's CPU int4 layout packs output channels in blocks of B: 64 where ATen's kernel was
+# built for AVX-512, 32 for AVX2. For each input column k a block holds B/2 bytes; channel n sits
+# in lane (n % B) // 16, byte (lane % (B // 32)) * 16 + n % 16, in the low nibble for the first
+# half of the lanes and the high one for the rest. Reading a row back (the embedding lookup of a
+# tied table) needs this map; Int4Weight checks it against the codes at pack time and keeps the
+# plain codes instead where the kernel packed differently (another CPU, another version).
+_CPU_BLOCKS_N = (64, 32)
 
 
-def _cpu_int4_unpack_rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-    """Codes ``[len(ids), k]`` (0..15) of rows ``ids`` of a matrix packed for the CPU kernel."""
-    blocks = packed.view(n // _CPU_BLOCK_N, k, 32)
-    lane = (ids % _CPU_BLOCK_N) // 16
-    byte = (lane % 2) * 16 + ids % 16
-    raw = blocks[ids // _CPU_BLOCK_N, :, :].gather(2, byte.view(-1, 1, 1).expand(-1, k, 1))
+def _cpu_int4_unpack_rows(
+    packed: torch.Tensor, n: int, k: int, ids: torch.Tensor, block: int = 64
+) -> torch.Tensor:
+    """Codes ``[len(ids), k]`` (0..15) of rows ``ids`` of a matrix packed for the CPU kernel in
+    blocks of ``block`` channels."""
+    per = block // 32  # 16-byte halves per column
+    blocks = packed.view(n // block, k, block // 2)
+    lane = (ids % block) // 16
+    byte = (lane % per) * 16 + ids % 16
+    raw = blocks[ids // block, :, :].gather(2, byte.view(-1, 1, 1).expand(-1, k, 1))
     raw = raw.squeeze(2)
-    return torch.where((lane // 2).view(-1, 1).bool(), raw >> 4, raw & 0x0F)
+    return torch.where((lane // per).view(-1, 1).bool(), raw >> 4, raw & 0x0F)
 
 
 class Int4Weight(PackedWeight):
@@ -252,6 +257,7 @@ class Int4Weight(PackedWeight):
         q = codes.q.to(device)
         self.on_cuda = torch.device(device).type == "cuda"
         self._readable = False
+        self._block = 0  # channels per block of the CPU packed layout, 0 where unknown
         self.register_buffer("codes", None)  # plain codes, kept only where rows() needs them
         if self.on_cuda:
             u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()
@@ -260,11 +266,15 @@ class Int4Weight(PackedWeight):
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.register_buffer("packed", packed)
-            self._readable = n % _CPU_BLOCK_N == 0 and packed.numel() * 2 == n * k
-            if self._readable:
+            if packed.numel() * 2 == n * k:
                 probe = torch.arange(0, n, max(1, n // 97), device=q.device)
-                got = _cpu_int4_unpack_rows(packed, n, k, probe)
-                self._readable = bool(torch.equal(got, q[probe]))
+                for b in _CPU_BLOCKS_N:
+                    if n % b == 0 and torch.equal(
+                        _cpu_int4_unpack_rows(packed, n, k, probe, b), q[probe]
+                    ):
+                        self._block = b
+                        break
+            self._readable = self._block > 0
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
@@ -298,7 +308,8 @@ class Int4Weight(PackedWeight):
             return torch.stack([c & 0x0F, c >> 4], dim=-1).view(*ids.shape, k)
         if self._readable:
             flat = ids.reshape(-1)
-            return _cpu_int4_unpack_rows(self.packed, n, k, flat).view(*ids.shape, k)
+            rows = _cpu_int4_unpack_rows(self.packed, n, k, flat, self._block)
+            return rows.view(*ids.shape, k)
         raise RuntimeError("Int4Weight: the packed layout cannot be read back here")
 
     def to_codes(self) -> GroupCodes:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from test_gguf import TINY, random_hf_weights, write_gguf
 
 import llmlib
-from llmlib import vnni
+from llmlib import onednn, vnni
 from llmlib.checkpoints.quant import dequantize
 from llmlib.checkpoints.repack import block_codes, repack_error
 from llmlib.config import ModelConfig
@@ -33,6 +33,12 @@ from llmlib.quantize import (
 from llmlib.shapes import kv_cache_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+_needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn.available(),
+    reason="oneDNN has no bfloat16 path on this CPU (AVX2 only)",
+)
 
 
 def _x(k: int, m: int = 3, dtype=torch.bfloat16) -> torch.Tensor:
@@ -234,6 +240,7 @@ def test_dequantize_helpers_agree() -> None:
     assert torch.allclose(got, ref, atol=1e-6)
 
 
+@_needs_onednn_bf16
 def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
     from llmlib.linear import prepare_cpu_weights
     from llmlib.onednn import OneDNNWeight
@@ -275,6 +282,7 @@ def test_int8_bfloat16_on_widths_the_kernel_mishandles(k: int, m: int) -> None:
     assert torch.allclose(rows.float(), codes.dequantize()[[0, 29]], rtol=1e-2, atol=1e-2)
 
 
+@_needs_onednn_bf16
 def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     """oneDNN's opaque bfloat16 layout reaches a graph compiled with inductor's defaults through
     ``llmlib::onednn_linear``: one graph (no breaks), the eager logits, and the bench accepts
