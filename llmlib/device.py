@@ -76,6 +76,20 @@ def pick_dtype(
 
 
 @functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; Linux ``/proc/cpuinfo``, read
+    once; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
     try:

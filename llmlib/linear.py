@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -152,18 +153,39 @@ def is_packed(weight: torch.Tensor) -> bool:
     return packed is not None and packed[1] == weight.data_ptr() and packed[2] == weight._version
 
 
+def onednn_float32_preferred() -> bool:
+    """Whether float32 matrices multiply faster here in oneDNN's blocked layout than as MKL's
+    plain ones: on a CPU that is not Intel's. MKL picks its kernels by vendor, and on other CPUs
+    (AMD's among them) it takes generic paths that multiply a few rows several times slower than
+    one (``chapters/08``'s verification cost shows it), where oneDNN's own AVX2/AVX-512 kernels
+    do not. ``LLMLIB_ONEDNN_FLOAT32=1``/``0`` forces the choice either way."""
+    from llmlib.device import cpu_vendor
+    from llmlib.onednn import available
+
+    forced = os.environ.get("LLMLIB_ONEDNN_FLOAT32")
+    wanted = forced != "0" if forced in ("0", "1") else cpu_vendor() not in ("GenuineIntel", "")
+    return wanted and available(torch.float32)
+
+
 def prepare_cpu_weights(model: nn.Module) -> None:
     """Store a CPU model's matrices for the products it runs; a no-op on another device.
 
     float32: the decode layout (:func:`use_matvec_layout`), one copy. The oneDNN-blocked second
     copy (:func:`pack_weights`) is not made: measured over the whole engine (``llmlib bench
     batching`` runs it both ways) it did not repay the memory. A bfloat16 model holds its
-    matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
+    matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both; so does a
+    float32 one where MKL is slow (:func:`onednn_float32_preferred`).
     """
     mats = [p for p in model.parameters() if p.dim() == 2]
     if not mats or any(p.device.type != "cpu" for p in mats):
         return
     if all(p.dtype == torch.bfloat16 for p in mats) and pack_bfloat16(model):
+        return
+    if (
+        all(p.dtype == torch.float32 for p in mats)
+        and onednn_float32_preferred()
+        and pack_onednn(model, torch.float32)
+    ):
         return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
 
@@ -174,18 +196,24 @@ def pack_bfloat16(model: nn.Module) -> int:
     as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows.
     Where oneDNN has no bfloat16 path on this CPU (AVX2 only), nothing changes and 0 comes back:
     the matrices stay plain bfloat16 tensors."""
+    return pack_onednn(model, torch.bfloat16)
+
+
+def pack_onednn(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold every ``dtype`` weight matrix of a CPU model only in oneDNN's blocked layout (see
+    :func:`pack_bfloat16`); how many were re-stored, 0 where oneDNN cannot here."""
     from llmlib.onednn import OneDNNWeight, available
     from llmlib.quantize import weight_matrices
 
-    if not available():
+    if not available(dtype):
         return 0
     n = 0
     for name, mod in weight_matrices(model).items():
         w = mod.weight
-        if name == "embed" or not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+        if name == "embed" or not isinstance(w, torch.Tensor) or w.dtype != dtype:
             continue
         del mod.weight
-        mod.weight = OneDNNWeight(w.data)
+        mod.weight = OneDNNWeight(w.data.contiguous())
         n += 1
     return n
 

@@ -19,8 +19,8 @@ from llmlib.quantize import PackedWeight
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this PyTorch and CPU re-order bfloat16 matrices for oneDNN: the op must exist, and
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this PyTorch and CPU re-order ``dtype`` matrices for oneDNN: the op must exist, and
     oneDNN refuses its bfloat16 path on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an
     AVX2-only machine). Probed once on a small matrix, so the answer is PyTorch's own."""
     if not torch.backends.mkldnn.is_available():
@@ -28,23 +28,24 @@ def available() -> bool:
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
     except RuntimeError:
         return False
     return True
 
 
 class OneDNNWeight(PackedWeight):
-    """A bfloat16 matrix held only in oneDNN's blocked layout (what ``torch.compile`` makes of
-    frozen CPU weights): AMX/AVX512-BF16 multiply it several times faster than a plain strided
-    bfloat16 matrix, at one row or many. Not quantized: the same numbers, re-ordered once.
+    """A bfloat16 (or float32) matrix held only in oneDNN's blocked layout (what
+    ``torch.compile`` makes of frozen CPU weights): AMX/AVX512-BF16 multiply it several times
+    faster than a plain strided bfloat16 matrix, at one row or many. Not quantized: the same
+    numbers, re-ordered once. float32 is held this way on CPUs where MKL, PyTorch's float32
+    library, is slow (:func:`llmlib.linear.onednn_float32_preferred`).
 
     Inside ``torch.compile`` the product is the custom operator ``llmlib::onednn_linear``, which
     names the matrix by a number: the blocked tensor is opaque (no strides, no storage), so it
     cannot be a traced graph input, but an operator that fetches it at run time can be.
     """
 
-    kind = "bfloat16 (oneDNN blocked)"
     _constants = "w"
 
     def __init__(self, w: torch.Tensor) -> None:
@@ -64,6 +65,10 @@ class OneDNNWeight(PackedWeight):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return f"{str(self.w.dtype).removeprefix('torch.')} (oneDNN blocked)"
 
     @property
     def nbytes(self) -> int:
