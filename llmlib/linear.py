@@ -154,11 +154,12 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def onednn_float32_preferred() -> bool:
-    """Whether float32 matrices multiply faster here in oneDNN's blocked layout than as MKL's
-    plain ones: on a CPU that is not Intel's. MKL picks its kernels by vendor, and on other CPUs
-    (AMD's among them) it takes generic paths that multiply a few rows several times slower than
-    one (``chapters/08``'s verification cost shows it), where oneDNN's own AVX2/AVX-512 kernels
-    do not. ``LLMLIB_ONEDNN_FLOAT32=1``/``0`` forces the choice either way."""
+    """Whether a CPU float32 model keeps oneDNN's blocked copy of each matrix for products of
+    several rows (:func:`pack_weights`): on a CPU that is not Intel's. MKL, which PyTorch calls
+    for plain float32 products, picks its kernels by vendor, and on other CPUs (AMD's among them)
+    takes generic paths that multiply a few rows several times slower than one (chapter 8's
+    verification cost shows it); oneDNN's own kernels do not. One row (batch-1 decode) keeps
+    the plain matrix, which streams faster. ``LLMLIB_ONEDNN_FLOAT32=1``/``0`` forces it."""
     from llmlib.device import cpu_vendor
     from llmlib.onednn import available
 
@@ -171,23 +172,19 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     """Store a CPU model's matrices for the products it runs; a no-op on another device.
 
     float32: the decode layout (:func:`use_matvec_layout`), one copy. The oneDNN-blocked second
-    copy (:func:`pack_weights`) is not made: measured over the whole engine (``llmlib bench
-    batching`` runs it both ways) it did not repay the memory. A bfloat16 model holds its
-    matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both; so does a
-    float32 one where MKL is slow (:func:`onednn_float32_preferred`).
+    copy (:func:`pack_weights`) is made only where MKL is slow at several rows
+    (:func:`onednn_float32_preferred`): on an Intel CPU, measured over the whole engine
+    (``llmlib bench batching`` runs it both ways), it did not repay the memory. A bfloat16 model
+    holds its matrices once, in oneDNN's layout only (:func:`pack_bfloat16`), which serves both.
     """
     mats = [p for p in model.parameters() if p.dim() == 2]
     if not mats or any(p.device.type != "cpu" for p in mats):
         return
     if all(p.dtype == torch.bfloat16 for p in mats) and pack_bfloat16(model):
         return
-    if (
-        all(p.dtype == torch.float32 for p in mats)
-        and onednn_float32_preferred()
-        and pack_onednn(model, torch.float32)
-    ):
-        return
     use_matvec_layout(model)  # batch-1 decode: matrix-vector products stream these
+    if all(p.dtype == torch.float32 for p in mats) and onednn_float32_preferred():
+        pack_weights(model)  # products of several rows: where MKL is slow, oneDNN's copy
 
 
 def pack_bfloat16(model: nn.Module) -> int:
