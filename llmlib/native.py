@@ -3,7 +3,8 @@
 
 Three use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products),
 :mod:`llmlib.engine.paged_kernel` (decode attention read straight out of the paged KV pool) and
-:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). All are optional: where the CPU lacks
+:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). The first and last need AVX-512; the
+paged kernel is also built for AVX2. All are optional: where the CPU lacks
 the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
 callers keep PyTorch's operators.
 
@@ -21,16 +22,22 @@ from pathlib import Path
 
 from llmlib.device import cpu_flags
 
-__all__ = ["AVX512", "CSRC", "build", "cached", "cpu_flags", "has_avx512"]
+__all__ = ["AVX2", "AVX512", "CSRC", "build", "cached", "cpu_flags", "has_avx2", "has_avx512"]
 
 CSRC = Path(__file__).parent / "csrc"
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _COMMON = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def has_avx512() -> bool:
     """Whether this CPU has the AVX-512 subsets (F, BW, VL) that every kernel here is built for."""
     return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+def has_avx2() -> bool:
+    """Whether this CPU has AVX2 and FMA, the floor a kernel written for both ISAs is built for."""
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def cached(name: str) -> bool:

@@ -15,7 +15,8 @@ from llmlib.engine import paged_cache, paged_kernel
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
 needs_kernel = pytest.mark.skipif(
-    not paged_kernel.available(), reason="no AVX-512 or no compiler: the kernel cannot run here"
+    not paged_kernel.available(),
+    reason="no AVX-512 or AVX2, or no compiler: the kernel cannot run here",
 )
 
 

@@ -34,26 +34,85 @@
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
+// Sixteen floats at a time: one AVX-512 register, or two AVX2 ones where the CPU has no AVX-512
+// (llmlib.native builds this file for whichever the CPU has). The kernel below is written once
+// against these few operations.
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 x;
+};
+inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 vload(const c10::BFloat16* p) {
   // a bfloat16 is the top half of a float32: widen to 32 bits and shift into place
   __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16))};
 }
-
-// exp of 16 floats at once: 2^n * 2^f with n = round(x * log2 e) and |f| <= 1/2, 2^f by its
-// Taylor series to degree 7 (relative error below 1e-8, under float32's own rounding)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));  // exp(-100) is 0 to a softmax weight
+inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.x); }
+inline V16 vset(float f) { return {_mm512_set1_ps(f)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.x, b.x)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.x, b.x)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.x); }
+inline float vmax(V16 a) { return _mm512_reduce_max_ps(a.x); }
+// exp of 16 floats: 2^n * 2^f with n = round(x * log2 e) and |f| <= 1/2, 2^f by its Taylor
+// series to degree 7 (relative error below 1e-8, under float32's own rounding)
+inline V16 vexp(V16 v) {
+  const __m512 x = _mm512_max_ps(v.x, _mm512_set1_ps(-87.0f));  // exp(-87) is 0 to a softmax weight
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.6931471805599453f));
   static const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
   __m512 p = _mm512_set1_ps(c[0]);
   for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
+  return {_mm512_scalef_ps(p, n)};
 }
+#else  // AVX2 and FMA: two halves of eight
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline V16 vload(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline void vstore(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V16 vset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+inline float vsum(V16 a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vmax(V16 a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+// the same series as the AVX-512 version; 2^n is built in the exponent bits, which the clamp at
+// -87 keeps normal (n >= -126)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.6931471805599453f));
+  static const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+#endif
 
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t D) {
@@ -78,9 +137,8 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
   float mx[G], sum[G];        // running maximum score; running sum of exp(score - maximum)
   for (int g = 0; g < G; ++g) {
     for (int64_t v = 0; v < nv; ++v) {
-      _mm512_storeu_ps(qf + g * D + v * 16,
-                       _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
-      _mm512_storeu_ps(acc + g * D + v * 16, _mm512_setzero_ps());
+      vstore(qf + g * D + v * 16, vmul(vload(q + g * D + v * 16), vset(scale)));
+      vstore(acc + g * D + v * 16, vset(0.0f));
     }
     mx[g] = -std::numeric_limits<float>::infinity();
     sum[g] = 0.0f;
@@ -101,46 +159,44 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
       prefetch_rows(vpool + b2, c2, tok_stride, D);
     }
     for (int64_t j = 0; j < cnt; ++j) {  // scores: every query head, one key at a time
-      __m512 part[G];
-      for (int g = 0; g < G; ++g) part[g] = _mm512_setzero_ps();
+      V16 part[G];
+      for (int g = 0; g < G; ++g) part[g] = vset(0.0f);
       for (int64_t v = 0; v < nv; ++v) {
-        const __m512 k = load16(kp + j * tok_stride + v * 16);
-        for (int g = 0; g < G; ++g)
-          part[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + v * 16), k, part[g]);
+        const V16 k = vload(kp + j * tok_stride + v * 16);
+        for (int g = 0; g < G; ++g) part[g] = vfma(vload(qf + g * D + v * 16), k, part[g]);
       }
-      for (int g = 0; g < G; ++g) s[g * CHUNK + j] = _mm512_reduce_add_ps(part[g]);
+      for (int g = 0; g < G; ++g) s[g * CHUNK + j] = vsum(part[g]);
     }
-    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
-    __m512 al[G];
+    V16 al[G];
     for (int g = 0; g < G; ++g) {  // the online softmax: rescale what came before
       float* sg = s + g * CHUNK;
       if (softcap > 0.0f)
         for (int64_t j = 0; j < cnt; ++j) sg[j] = softcap * std::tanh(sg[j] / softcap);
-      const __m512 sc = _mm512_maskz_loadu_ps(live, sg);
-      const float m = std::max(mx[g], _mm512_mask_reduce_max_ps(live, sc));
+      // a chunk shorter than CHUNK: the lanes past it score -inf, and weigh 0 after the exp
+      for (int64_t j = cnt; j < CHUNK; ++j) sg[j] = -std::numeric_limits<float>::infinity();
+      const V16 sc = vload(sg);
+      const float m = std::max(mx[g], vmax(sc));
       const float alpha = std::exp(mx[g] - m);  // exp(-inf) = 0 on the first keys
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-      _mm512_storeu_ps(sg, e);
-      sum[g] = sum[g] * alpha + _mm512_reduce_add_ps(e);
+      vstore(sg, vexp(vsub(sc, vset(m))));
+      for (int64_t j = cnt; j < CHUNK; ++j) sg[j] = 0.0f;
+      sum[g] = sum[g] * alpha + vsum(vload(sg));
       mx[g] = m;
-      al[g] = _mm512_set1_ps(alpha);
+      al[g] = vset(alpha);
     }
     for (int64_t v = 0; v < nv; ++v) {  // the values, weighted: G running sums per slice
-      __m512 a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + v * 16), al[g]);
+      V16 a[G];
+      for (int g = 0; g < G; ++g) a[g] = vmul(vload(acc + g * D + v * 16), al[g]);
       for (int64_t j = 0; j < cnt; ++j) {
-        const __m512 x = load16(vp + j * tok_stride + v * 16);
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * CHUNK + j]), x, a[g]);
+        const V16 x = vload(vp + j * tok_stride + v * 16);
+        for (int g = 0; g < G; ++g) a[g] = vfma(vset(s[g * CHUNK + j]), x, a[g]);
       }
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * D + v * 16, a[g]);
+      for (int g = 0; g < G; ++g) vstore(acc + g * D + v * 16, a[g]);
     }
     t0 += cnt;
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
-    for (int64_t v = 0; v < nv; ++v)
-      _mm512_storeu_ps(out + g * D + v * 16,
-                       _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + v * 16), inv));
+    const V16 inv = vset(1.0f / sum[g]);
+    for (int64_t v = 0; v < nv; ++v) vstore(out + g * D + v * 16, vmul(vload(acc + g * D + v * 16), inv));
   }
 }
 

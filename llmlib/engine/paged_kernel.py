@@ -9,8 +9,8 @@ block table instead, reads every key and value once where it lies, and keeps the
 it goes (flash attention's online form), so nothing of the keys' size is written and no sequence
 pays for another's padding.
 
-It serves where all of this holds: a CPU with AVX-512, a compiler, float32 or bfloat16 pools,
-a head size that is a multiple of 16, the layer's attention function being
+It serves where all of this holds: a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or
+bfloat16 pools, a head size that is a multiple of 16, the layer's attention function being
 :func:`llmlib.attention.sdpa_attention` (with any score scale, soft cap or window), and
 ``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere the two-pass path runs, as the reference the
 tests compare it with.
@@ -32,7 +32,10 @@ _NAME = "llmlib_paged"
 
 @functools.cache
 def _load() -> bool:
-    if not native.build(_NAME, "paged_attention.cpp", native.AVX512, "paged attention kernel"):
+    # one source, built for AVX-512 where the CPU has it, else for AVX2 (named apart, so a cache
+    # shared by two machines never hands one the other's instructions)
+    flags, isa = (native.AVX512, "avx512") if native.has_avx512() else (native.AVX2, "avx2")
+    if not native.build(f"{_NAME}_{isa}", "paged_attention.cpp", flags, "paged attention kernel"):
         return False
 
     @torch.library.register_fake("llmlib_paged::decode_attention")
@@ -46,7 +49,7 @@ def available() -> bool:
     """Whether the kernel can run on this machine (builds it on the first call that needs it)."""
     if os.environ.get("LLMLIB_PAGED_KERNEL", "1") == "0":
         return False
-    return native.has_avx512() and _load()
+    return (native.has_avx512() or native.has_avx2()) and _load()
 
 
 def serves_pool(k_pool: torch.Tensor) -> bool:
