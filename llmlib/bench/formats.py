@@ -330,8 +330,9 @@ def fp32_copy_check(
 ) -> dict | None:
     """Whether a second, oneDNN-blocked copy of a float32 CPU model's matrices
     (:func:`llmlib.linear.pack_weights`, used for multi-row products) pays for itself: the
-    continuous run again with it, in the same run, and the bytes it costs. The loader holds
-    float32 once; this is the measurement behind that choice."""
+    continuous run again with it (or without it, where the loader made it), in the same run, and
+    the bytes it costs: the measurement behind the loader's choice
+    (:func:`llmlib.linear.onednn_float32_preferred`)."""
     from llmlib.linear import _packing_available, is_packed, pack_weights, unpack_weights
 
     mats = [p for p in model.parameters() if p.dim() == 2]
