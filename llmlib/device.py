@@ -76,30 +76,27 @@ def pick_dtype(
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; Linux ``/proc/cpuinfo``, read
-    once; empty elsewhere)."""
+def _cpuinfo(key: str) -> str:
+    """The first ``key : value`` of Linux's ``/proc/cpuinfo`` (read once per key; "" elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty off Linux)."""
+    return _cpuinfo("vendor_id")
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(_cpuinfo("flags").split())
 
 
 def native_bf16() -> bool:
@@ -266,14 +263,7 @@ def device_name(device: str | torch.device | None = None) -> str:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def machine_info(device: str | torch.device | None = None) -> dict[str, Any]:
