@@ -3,10 +3,11 @@
 
 Three use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products),
 :mod:`llmlib.engine.paged_kernel` (decode attention read straight out of the paged KV pool) and
-:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). The first and last need AVX-512; the
-paged kernel is also built for AVX2. All are optional: where the CPU lacks
+:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). The first two are built for AVX-512
+or, on CPUs without it, for AVX2; the last needs AVX-512. All are optional: where the CPU lacks
 the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
-callers keep PyTorch's operators.
+callers keep PyTorch's operators. ``LLMLIB_NATIVE_ISA=avx2`` builds and runs the AVX2 variants
+on a CPU that has AVX-512 too (how the tests check them on any x86 machine).
 
 Every kernel splits its work with ``at::parallel_for``, which is OpenMP inside PyTorch's CPU
 build. The header only spreads work over threads when the extension itself is compiled with
@@ -16,6 +17,7 @@ the flags here always carry it (and the extension then shares PyTorch's thread c
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -31,7 +33,10 @@ _COMMON = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has the AVX-512 subsets (F, BW, VL) that every kernel here is built for."""
+    """Whether this CPU has the AVX-512 subsets (F, BW, VL) that every kernel here is built for,
+    and ``LLMLIB_NATIVE_ISA`` does not ask for the AVX2 variants instead."""
+    if os.environ.get("LLMLIB_NATIVE_ISA", "").lower() == "avx2":
+        return False
     return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
 
 

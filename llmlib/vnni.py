@@ -1,13 +1,14 @@
-"""int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI), for the batching
-engine: the activations are rounded to int8 in blocks of 32, as llama.cpp does.
+"""int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI, or AVX2), for the
+batching engine: the activations are rounded to int8 in blocks of 32, as llama.cpp does.
 
 PyTorch's CPU weight-only kernels (:class:`llmlib.quantize.Int8Weight`, ``Int4Weight``) turn
 each stored code into a float before multiplying, so at many rows (a prefill chunk, a batch of
 decoding sequences) they are bound by float arithmetic. A CPU with VNNI multiplies bytes by
-bytes, 64 pairs per instruction into 16 int32 sums, but only if both sides are integers. So each
-row of activations is rounded too: every block of 32 values becomes int8 codes and one float
-scale (``max|x| / 127``), the integer sums are taken block by block, and each block's sum is
-scaled back by its activation scale and the weight's. That is no longer weight-only: it adds the
+bytes, 64 pairs per instruction into 16 int32 sums (AVX2 needs two instructions for 32 pairs),
+but only if both sides are integers. So each row of activations is rounded too: every block
+of 32 values becomes int8 codes and one float scale (``max|x| / 127``), the integer sums are
+taken block by block, and each block's sum is scaled back by its activation scale and the
+weight's. That is no longer weight-only: it adds the
 activations' rounding error, which ``llmlib bench batching`` measures as perplexity against
 float32 beside each format's speed.
 
@@ -19,9 +20,10 @@ extern operators). The eager Generator keeps PyTorch's weight-only layouts, the 
 The kernels are C++ (``llmlib/csrc/vnni.cpp``), compiled once per machine by
 ``torch.utils.cpp_extension`` into its cache and loaded as the operators
 ``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear``. They run where all of this holds: a CPU
-with AVX-512 VNNI, a C++ compiler, output widths that are multiples of 64 and input widths
-(and int4 groups) that are multiples of 32 (real models' are), and ``LLMLIB_VNNI`` not set to
-``0``. Elsewhere a matrix keeps PyTorch's kernel, with the same numbers as before.
+with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler, output widths
+that are multiples of 64 and input widths (and int4 groups) that are multiples of 32 (real
+models' are), and ``LLMLIB_VNNI`` not set to ``0``. Elsewhere a matrix keeps PyTorch's kernel,
+with the same numbers as before.
 
 Layout (what :func:`pack_int8` / :func:`pack_int4` write): tiles of 64 output channels; inside a
 tile, for each group of four input columns, the 64 channels' four codes side by side, so one
@@ -44,7 +46,6 @@ from llmlib.quantize import ChannelCodes, GroupCodes, PackedWeight
 TILE = 64  # output channels per tile
 BLOCK = 32  # activation values per int8 scale
 _NAME = "llmlib_vnni"
-_FLAGS = [*AVX512, "-mavx512vnni"]
 
 
 def cpu_has_vnni() -> bool:
@@ -52,11 +53,21 @@ def cpu_has_vnni() -> bool:
     return native.has_avx512() and "avx512_vnni" in cpu_flags()
 
 
+def isa() -> str | None:
+    """Which build of the kernels this CPU runs: ``"avx512vnni"``, ``"avx2"`` (two instructions
+    per byte product, ``vpmaddubsw`` + ``vpmaddwd``) or None."""
+    if cpu_has_vnni():
+        return "avx512vnni"
+    return "avx2" if native.has_avx2() else None
+
+
 @functools.cache
-def _load() -> bool:
+def _load(which: str) -> bool:
     """Build (once per machine: the compiled library is cached) and load the kernels; False,
-    with one warning, where that fails (no compiler, an old toolchain): PyTorch's kernels serve."""
-    if not native.build(_NAME, "vnni.cpp", _FLAGS, "VNNI int8/int4 kernels"):
+    with one warning, where that fails (no compiler, an old toolchain): PyTorch's kernels serve.
+    Each instruction set is its own extension, so a shared cache never hands one CPU the other's."""
+    flags = [*AVX512, "-mavx512vnni"] if which == "avx512vnni" else native.AVX2
+    if not native.build(f"{_NAME}_{which}", "vnni.cpp", flags, f"{which} int8/int4 kernels"):
         return False
     _register_fakes()
     return True
@@ -64,9 +75,10 @@ def _load() -> bool:
 
 def available() -> bool:
     """Whether the VNNI kernels can run here (builds them on the first call that needs them)."""
-    if os.environ.get("LLMLIB_VNNI", "1") == "0" or not cpu_has_vnni():
+    which = isa()
+    if os.environ.get("LLMLIB_VNNI", "1") == "0" or which is None:
         return False
-    return _load()
+    return _load(which)
 
 
 def fits(shape: tuple[int, int], group_size: int | None = None) -> bool:

@@ -20,7 +20,7 @@ from llmlib.quantize import (
 )
 
 needs_kernels = pytest.mark.skipif(
-    not vnni.available(), reason="no AVX-512 VNNI here (or no compiler): PyTorch's kernels serve"
+    not vnni.available(), reason="no AVX-512 VNNI or AVX2 here (or no compiler): PyTorch's serve"
 )
 
 
@@ -152,7 +152,9 @@ def test_without_the_kernels_pytorchs_serve(monkeypatch) -> None:
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setattr(native, "cached", lambda name: False)
     with pytest.warns(UserWarning, match="no c..? compiler"):
-        assert vnni._load.__wrapped__() is False  # the build itself, past the cache
+        assert (
+            vnni._load.__wrapped__(vnni.isa() or "avx2") is False
+        )  # the build itself, past the cache
     monkeypatch.setenv("LLMLIB_VNNI", "0")
     assert not vnni.available()
     model = quantize_model(random_model(TINY, "cpu", torch.bfloat16), "int8")
@@ -170,3 +172,27 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
         batch = w.linear(x)
         for i in range(5):
             assert torch.equal(w.linear(x[i : i + 1])[0], batch[i])
+
+
+@pytest.mark.skipif(
+    vnni.isa() != "avx512vnni" or not native.has_avx2(),
+    reason="runs the AVX2 build where the AVX-512 one is the default (elsewhere the tests above do)",
+)
+def test_the_avx2_build_is_its_arithmetic_too() -> None:
+    # the same source, its other half: built for AVX2 in a process that asks for it
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLMLIB_NATIVE_ISA": "avx2"}
+    tests = "(arithmetic or does_not_depend or restored_for_batches) and not avx2_build"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("6 passed") and "skipped" not in last, run.stdout[-2000:]

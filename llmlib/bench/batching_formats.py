@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from llmlib.bench import save_json
-from llmlib.bench.formats import FORMATS, parse_formats
+from llmlib.bench.formats import format_of, parse_formats
 
 PEER_SCRIPT = Path(__file__).with_name("_vllm_peer.py")
 
@@ -96,7 +96,7 @@ def run(
     models: dict[str, torch.nn.Module] = {}
     rows: dict[str, dict[str, Any]] = {}
     for name in formats:
-        dtype, q = FORMATS[name]
+        dtype, q = format_of(name)
         # stored as LLM() stores what it loads
         models[name] = m = for_batches(llmlib.load_model(path, "cpu", dtype, q))
         fmt = getattr(m, "weight_format", dtype)

@@ -28,13 +28,22 @@ import torch
 
 from llmlib.bench import _llama_cpp
 
-FORMATS = {  # name -> (dtype, quantization)
+FORMATS = {  # name -> (dtype, quantization); None: the activations pick_dtype chooses here
     "float32": ("float32", None),
     "bfloat16": ("bfloat16", None),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"),
-    "gguf": ("bfloat16", "gguf"),
+    "int8": (None, "int8"),
+    "int4": (None, "int4"),
+    "gguf": (None, "gguf"),
 }
+
+
+def format_of(name: str) -> tuple[str, str | None]:
+    """A format's ``(dtype, quantization)`` on this CPU: the integer formats run bfloat16
+    activations where bfloat16 is native and float32 elsewhere, as ``load_model`` picks them."""
+    from llmlib.device import pick_dtype
+
+    dtype, q = FORMATS[name]
+    return dtype or str(pick_dtype("cpu", None, q)).removeprefix("torch."), q
 
 
 def parse_formats(text: str) -> list[tuple[str, bool]]:
@@ -142,7 +151,7 @@ def run(
     rows: dict[str, dict[str, Any]] = {}
     for name, comp in formats:
         label = name + ("+compile" if comp else "")
-        dtype, q = FORMATS[name]
+        dtype, q = format_of(name)
         model = llmlib.load_model(path, "cpu", dtype, q)
         gens[label] = g = Generator(model, tok, compile=comp)
         before = _rss_anon()
@@ -308,7 +317,7 @@ def breakdown(
 
     out = {}
     for name in names:
-        dtype, q = FORMATS[name]
+        dtype, q = format_of(name)
         model = llmlib.load_model(path, "cpu", dtype, q)
         skeleton = random_model(overhead_model(model.config), "cpu", model.dtype)
         if q is not None:

@@ -1,19 +1,24 @@
-// Integer dot products for llmlib's int8 and int4 weights: AVX-512 VNNI.
+// Integer dot products for llmlib's int8 and int4 weights: AVX-512 VNNI, or AVX2 where the CPU
+// has no AVX-512.
 //
 // The weight-only kernels PyTorch ships for the CPU turn every stored code back into a float and
 // multiply in floating point. VNNI multiplies bytes by bytes: one `vpdpbusd` takes 64 unsigned
-// bytes and 64 signed ones and adds each group of four products into one of 16 int32 lanes. To
-// use it the activations must be integers too, so each row of the input is rounded to int8 in
-// blocks of 32 values with one float scale per block (what llama.cpp's Q8_0 does), and each
-// block's integer sum is scaled back into a float accumulator.
+// bytes and 64 signed ones and adds each group of four products into one of 16 int32 lanes. AVX2
+// takes two instructions for half as many bytes: `vpmaddubsw` multiplies 32 unsigned bytes by 32
+// signed ones and adds neighbours into 16-bit sums, `vpmaddwd` against ones adds those pairs into
+// 32-bit lanes. To use either, the activations must be integers too, so each row of the input is
+// rounded to int8 in blocks of 32 values with one float scale per block (what llama.cpp's Q8_0
+// does), and each block's integer sum is scaled back into a float accumulator.
 //
 // Weights are stored in tiles of 64 output channels. Inside a tile, for every group of four input
 // columns, 64 channels x 4 codes lie side by side (256 bytes): one 64-byte load then holds four
-// consecutive codes of 16 channels, the layout `vpdpbusd` wants against four activation bytes
-// broadcast to every lane.
+// consecutive codes of 16 channels, the layout both instruction sets want against four
+// activation bytes broadcast to every lane.
 //
-//   int8: w[n, k] = scale[n] * (u[n, k] - 128), u stored as uint8 (the unsigned operand);
-//         the 128 comes back out as 128 * (sum of the block's activation codes).
+//   int8: w[n, k] = scale[n] * (u[n, k] - 128), u stored as uint8 (VNNI's unsigned operand); the
+//         128 comes back out as 128 * (sum of the block's activation codes). On AVX2 the 16-bit
+//         sums would overflow (2 x 255 x 127), so the kernel takes the signed code q = u - 128,
+//         multiplies |q| by x carrying q's sign (at most 2 x 128 x 127), as llama.cpp does.
 //   int4: w[n, k] = d[n, g] * q[n, k] + m[n, g] for group g = k / group_size, q in 0..15; two
 //         groups of four columns share each 64-byte load (low and high nibbles).
 //
@@ -30,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,8 +46,48 @@ constexpr int64_t TILE = 64;  // output channels per weight tile
 // memory once, and the hardware prefetcher alone starts over at each 4 KiB page
 constexpr int64_t PREFETCH = 4096;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+// ---- sixteen lanes: one AVX-512 register, or two AVX2 ones ---------------------------------
+// F16: 16 floats; I16: 64 bytes, read as 16 int32 sums or as 16 channels x 4 codes.
+#if defined(__AVX512VNNI__)
+// groups of 16 channels worked on per pass over a tile: all four (R rows x 4 integer and float
+// accumulators fit in 32 registers)
+constexpr int J = 4;
+constexpr int32_t INT8_OFFSET = 128;  // dpbusd reads the stored u = q + 128 as it is
+struct F16 {
+  __m512 v;
+};
+struct I16 {
+  __m512i v;
+};
+inline F16 fzero() { return {_mm512_setzero_ps()}; }
+inline F16 fset(float f) { return {_mm512_set1_ps(f)}; }
+inline F16 fload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F16 fload(const at::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline F16 fmul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline void fstore(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+inline I16 izero() { return {_mm512_setzero_si512()}; }
+inline I16 iload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline I16 iset(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline F16 to_float(I16 a, int32_t minus) {
+  return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, _mm512_set1_epi32(minus)))};
+}
+inline void nibbles(I16 raw, I16& lo, I16& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  lo = {_mm512_and_si512(raw.v, low)};
+  hi = {_mm512_and_si512(_mm512_srli_epi16(raw.v, 4), low)};
+}
+// acc += four products per lane of stored int8 codes and activation codes
+inline I16 dot_int8(I16 acc, I16 u, I16 x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
+// acc += four products of low nibbles with x0 and four of high nibbles with x1, per lane
+inline I16 dot_int4(I16 acc, I16 lo, I16 x0, I16 hi, I16 x1) {
+  return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc.v, lo.v, x0.v), hi.v, x1.v)};
+}
+
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -51,7 +97,7 @@ template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* xq, float* sx, int32_t* sum) {
   static_assert(QK == 32, "two vectors of 16 per block");
   for (int64_t b = 0; b < K / QK; ++b) {
-    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
+    const __m512 v0 = load_row16(x + b * QK), v1 = load_row16(x + b * QK + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = amax / 127.f;
     const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
@@ -64,69 +110,155 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* sx, int32_t* sum) {
     sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
+#else  // AVX2 + FMA + F16C: each lane pair is two 256-bit halves of eight
+// one group of 16 channels per pass over a tile: 16 registers hold R rows x (2 + 2) halves of
+// accumulators for one group only
+constexpr int J = 1;
+constexpr int32_t INT8_OFFSET = 0;  // the sign trick multiplies by q = u - 128 directly
+struct F16 {
+  __m256 lo, hi;
+};
+struct I16 {
+  __m256i lo, hi;
+};
+inline F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 fset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline F16 fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline F16 fload(const at::Half* p) { return {half8(p), half8(p + 8)}; }
+inline F16 fmul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 fmadd(F16 a, F16 b, F16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline void fstore(float* p, F16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline I16 izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I16 iload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline I16 iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline F16 to_float(I16 a, int32_t) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline void nibbles(I16 raw, I16& lo, I16& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  lo = {_mm256_and_si256(raw.lo, low), _mm256_and_si256(raw.hi, low)};
+  hi = {_mm256_and_si256(_mm256_srli_epi16(raw.lo, 4), low),
+        _mm256_and_si256(_mm256_srli_epi16(raw.hi, 4), low)};
+}
+// 16-bit pair sums -> 32-bit sums of four, added to acc
+inline __m256i widen_add(__m256i acc, __m256i pairs) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline __m256i dot8_int8(__m256i acc, __m256i u, __m256i x) {
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(char(0x80)));  // u - 128, as int8
+  // |q| (unsigned; -128 reads as 128) times x with q's sign: q * x without 16-bit overflow
+  return widen_add(acc, _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
+}
+inline I16 dot_int8(I16 acc, I16 u, I16 x) {
+  return {dot8_int8(acc.lo, u.lo, x.lo), dot8_int8(acc.hi, u.hi, x.hi)};
+}
+inline __m256i dot8_int4(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  // each 16-bit sum is at most 2 x 15 x 128, so the two nibbles' sums add before widening
+  return widen_add(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
+}
+inline I16 dot_int4(I16 acc, I16 lo, I16 x0, I16 hi, I16 x1) {
+  return {dot8_int4(acc.lo, lo.lo, x0.lo, hi.lo, x1.lo), dot8_int4(acc.hi, lo.hi, x0.hi, hi.hi, x1.hi)};
+}
 
-inline __m512i broadcast4(const int8_t* p) {
+inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_row8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Round one row to int8 in blocks of QK: xq = round(x / d), d = max|x| / 127 per block.
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* xq, float* sx, int32_t* sum) {
+  static_assert(QK == 32, "four vectors of 8 per block");
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load_row8(x + b * QK + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1))) / 127.f;
+    const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i q[4];  // round to nearest, ties to even (the default MXCSR mode)
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    // saturating packs work within 128-bit lanes; the permutation puts the 32 codes in order
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * QK),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    sx[b] = d;
+    sum[b] = _mm_cvtsi128_si32(t);
+  }
+}
+#endif
+
+inline I16 broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return iset(v);
 }
 
 template <typename T>
-inline void store16(T* y, __m512 v) {
+inline void store16(T* y, F16 v) {
   if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(y, v);
+    fstore(y, v);
   } else {
     alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, v);
+    fstore(tmp, v);
     for (int i = 0; i < 16; ++i) y[i] = static_cast<T>(tmp[i]);
   }
 }
 
-// R rows x 4 groups of 16 channels: the accumulators of one tile, in registers
-template <int R>
-inline void zero(__m512 (&a)[R][4]) {
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
-}
-template <int R>
-inline void zero(__m512i (&a)[R][4]) {
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_si512();
-}
-
-// R rows of activations against one int8 tile: y[r][0..64). Each 64-byte load of weights feeds
-// R instructions, one per row (the registers hold R x 4 integer and float accumulators).
+// R rows of activations against one int8 tile: y[r][0..64), J groups of 16 channels per pass.
+// Each load of weights feeds R instructions, one per row.
 template <int R, typename T>
 void int8_tile(const uint8_t* w, const float* scale, const int8_t* xq, const float* sx,
                const int32_t* sum, int64_t K, T* y, int64_t ldy) {
   const int64_t nb = K / QK;
-  __m512 accf[R][4];
-  zero(accf);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i acc[R][4];
-    zero(acc);
-    const uint8_t* wb = w + b * QK * TILE;
-    for (int64_t g = 0; g < QK / 4; ++g) {
-      __m512i xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = broadcast4(xq + r * K + b * QK + g * 4);
-      const uint8_t* wg = wb + g * 4 * TILE;
-      for (int j = 0; j < 4; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(wg + j * 64 + PREFETCH), _MM_HINT_T0);
-        const __m512i wv = _mm512_loadu_si512(wg + j * 64);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv, xv[r]);
+  for (int j0 = 0; j0 < 4; j0 += J) {
+    F16 accf[R][J];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) accf[r][j] = fzero();
+    for (int64_t b = 0; b < nb; ++b) {
+      I16 acc[R][J];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) acc[r][j] = izero();
+      const uint8_t* wb = w + b * QK * TILE;
+      for (int64_t g = 0; g < QK / 4; ++g) {
+        I16 xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = broadcast4(xq + r * K + b * QK + g * 4);
+        const uint8_t* wg = wb + g * 4 * TILE + j0 * 64;
+        for (int j = 0; j < J; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + j * 64 + PREFETCH), _MM_HINT_T0);
+          const I16 wv = iload(wg + j * 64);
+          for (int r = 0; r < R; ++r) acc[r][j] = dot_int8(acc[r][j], wv, xv[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t corr = INT8_OFFSET * sum[r * nb + b];
+        const F16 sv = fset(sx[r * nb + b]);
+        for (int j = 0; j < J; ++j) accf[r][j] = fmadd(to_float(acc[r][j], corr), sv, accf[r][j]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i corr = _mm512_set1_epi32(128 * sum[r * nb + b]);
-      const __m512 sv = _mm512_set1_ps(sx[r * nb + b]);
-      for (int j = 0; j < 4; ++j)
-        accf[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], corr)), sv,
-                                     accf[r][j]);
+    for (int j = 0; j < J; ++j) {
+      const F16 sc = fload(scale + (j0 + j) * 16);
+      for (int r = 0; r < R; ++r) store16(y + r * ldy + (j0 + j) * 16, fmul(accf[r][j], sc));
     }
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512 sc = _mm512_loadu_ps(scale + j * 16);
-    for (int r = 0; r < R; ++r) store16(y + r * ldy + j * 16, _mm512_mul_ps(accf[r][j], sc));
   }
 }
 
@@ -137,49 +269,44 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
                const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
                int64_t ldy) {
   const int64_t nb = K / QK;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 accf[R][4];
-  zero(accf);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i acc[R][4];
-    zero(acc);
-    const uint8_t* wb = w + b * (QK / 2) * TILE;  // 32 columns x 64 channels, two per byte
-    for (int64_t p = 0; p < QK / 8; ++p) {
-      __m512i x0[R], x1[R];
-      for (int r = 0; r < R; ++r) {
-        x0[r] = broadcast4(xq + r * K + b * QK + p * 8);
-        x1[r] = broadcast4(xq + r * K + b * QK + p * 8 + 4);
-      }
-      const uint8_t* wp = wb + p * 4 * TILE;
-      for (int j = 0; j < 4; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp + j * 64 + PREFETCH), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(wp + j * 64);
-        const __m512i lo = _mm512_and_si512(raw, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  for (int j0 = 0; j0 < 4; j0 += J) {
+    F16 accf[R][J];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) accf[r][j] = fzero();
+    for (int64_t b = 0; b < nb; ++b) {
+      I16 acc[R][J];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) acc[r][j] = izero();
+      const uint8_t* wb = w + b * (QK / 2) * TILE;  // 32 columns x 64 channels, two per byte
+      for (int64_t p = 0; p < QK / 8; ++p) {
+        I16 x0[R], x1[R];
         for (int r = 0; r < R; ++r) {
-          acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], lo, x0[r]);
-          acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], hi, x1[r]);
+          x0[r] = broadcast4(xq + r * K + b * QK + p * 8);
+          x1[r] = broadcast4(xq + r * K + b * QK + p * 8 + 4);
+        }
+        const uint8_t* wp = wb + p * 4 * TILE + j0 * 64;
+        for (int j = 0; j < J; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(wp + j * 64 + PREFETCH), _MM_HINT_T0);
+          I16 lo, hi;
+          nibbles(iload(wp + j * 64), lo, hi);
+          for (int r = 0; r < R; ++r) acc[r][j] = dot_int4(acc[r][j], lo, x0[r], hi, x1[r]);
+        }
+      }
+      const int64_t g = (b * QK) / group;
+      for (int j = 0; j < J; ++j) {
+        const F16 dv = fload(d + g * TILE + (j0 + j) * 16);
+        const F16 mv = fload(m + g * TILE + (j0 + j) * 16);
+        for (int r = 0; r < R; ++r) {
+          const float e = sx[r * nb + b];
+          const F16 ms = fset(e * static_cast<float>(sum[r * nb + b]));
+          accf[r][j] = fmadd(fmul(to_float(acc[r][j], 0), fset(e)), dv, accf[r][j]);
+          accf[r][j] = fmadd(mv, ms, accf[r][j]);
         }
       }
     }
-    const int64_t g = (b * QK) / group;
-    for (int j = 0; j < 4; ++j) {
-      const __m512 dv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * TILE + j * 16)));
-      const __m512 mv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * TILE + j * 16)));
-      for (int r = 0; r < R; ++r) {
-        const float e = sx[r * nb + b];
-        const __m512 sv = _mm512_set1_ps(e);
-        const __m512 ms = _mm512_set1_ps(e * static_cast<float>(sum[r * nb + b]));
-        accf[r][j] =
-            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][j]), sv), dv, accf[r][j]);
-        accf[r][j] = _mm512_fmadd_ps(mv, ms, accf[r][j]);
-      }
-    }
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r) store16(y + r * ldy + (j0 + j) * 16, accf[r][j]);
   }
-  for (int j = 0; j < 4; ++j)
-    for (int r = 0; r < R; ++r) store16(y + r * ldy + j * 16, accf[r][j]);
 }
 
 // With many rows a tile is read from memory once and then from cache, once per pair of rows, so
