@@ -224,6 +224,13 @@ inline void store16(T* y, F16 v) {
   }
 }
 
+// the accumulators of one pass over a tile, R rows x J groups of 16 channels, in registers
+template <int R, typename V>
+inline void fill(V (&a)[R][J], V v) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) a[r][j] = v;
+}
+
 // R rows of activations against one int8 tile: y[r][0..64), J groups of 16 channels per pass.
 // Each load of weights feeds R instructions, one per row.
 template <int R, typename T>
@@ -232,12 +239,10 @@ void int8_tile(const uint8_t* w, const float* scale, const int8_t* xq, const flo
   const int64_t nb = K / QK;
   for (int j0 = 0; j0 < 4; j0 += J) {
     F16 accf[R][J];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < J; ++j) accf[r][j] = fzero();
+    fill(accf, fzero());
     for (int64_t b = 0; b < nb; ++b) {
       I16 acc[R][J];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < J; ++j) acc[r][j] = izero();
+      fill(acc, izero());
       const uint8_t* wb = w + b * QK * TILE;
       for (int64_t g = 0; g < QK / 4; ++g) {
         I16 xv[R];
@@ -271,12 +276,10 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
   const int64_t nb = K / QK;
   for (int j0 = 0; j0 < 4; j0 += J) {
     F16 accf[R][J];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < J; ++j) accf[r][j] = fzero();
+    fill(accf, fzero());
     for (int64_t b = 0; b < nb; ++b) {
       I16 acc[R][J];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < J; ++j) acc[r][j] = izero();
+      fill(acc, izero());
       const uint8_t* wb = w + b * (QK / 2) * TILE;  // 32 columns x 64 channels, two per byte
       for (int64_t p = 0; p < QK / 8; ++p) {
         I16 x0[R], x1[R];
