@@ -263,6 +263,7 @@ class AttendingCache(Protocol):
         v: torch.Tensor,
         attention: AttentionFn,
         *,
+        positions: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor: ...
 
@@ -385,7 +386,7 @@ class Attention(nn.Module):
         if attend is not None:
             # An AttendingCache (the paged engine's step) knows which sequence each token belongs
             # to and runs attention itself, sequence by sequence, with this layer's function.
-            out = attend(self.layer_idx, q, k, v, attention, **win)
+            out = attend(self.layer_idx, q, k, v, attention, positions=positions, **win)
         else:
             mask = None  # None: plain causal over these T tokens (within the window, if any)
             if cache is not None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from llmlib.attention import AttentionFn
+from llmlib.attention_kernel import decode_attention, fused_options, serves_pool
 from llmlib.config import ModelConfig
 
 
@@ -37,6 +39,13 @@ class StaticKVCache:
     slots with a mask that lets each query see the slots at or before its own position, so an
     unwritten slot is never attended to. It implements the model's cache contract,
     ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
+
+    It also attends itself (:class:`llmlib.attention.AttendingCache`): a one-token step on a CPU
+    where :mod:`llmlib.attention_kernel` serves runs that kernel over each sequence's written
+    slots only (``kernel=False`` or any other step: the layer's attention under the mask). Each
+    KV head's slots ``[max_len, head_dim]`` are one contiguous run, so the cache reads to the
+    kernel as a pool of ``max_batch * kv_heads`` blocks of ``max_len`` tokens, one block per
+    (sequence, KV head), with that head's query heads as its queries.
     """
 
     def __init__(
@@ -46,6 +55,7 @@ class StaticKVCache:
         max_len: int,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        kernel: bool | None = None,
     ):
         if max_batch < 1 or max_len < 1:
             raise ValueError(
@@ -60,6 +70,10 @@ class StaticKVCache:
         self.max_batch, self.max_len = max_batch, max_len
         self.device = torch.device(device)
         self._slots = torch.arange(max_len, device=device)
+        #: one-token steps attend by llmlib.attention_kernel (None: wherever it serves)
+        self.kernel = serves_pool(self.k[0]) if kernel is None else bool(kernel)
+        # block i of the kernel's pool: sequence i // kv_heads, KV head i % kv_heads
+        self._table = torch.arange(max_batch * cfg.n_kv_heads, device=device).view(-1, 1)
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +88,17 @@ class StaticKVCache:
         *,
         window: int | None = None,
     ):
+        k_all, v_all = self._write(layer, k, v, positions)
+        slots, pos = self._slots[None, None, None, :], positions[:, None, :, None]
+        mask = slots <= pos  # [B, 1, T, S]
+        if window is not None:  # a sliding layer: only the latest `window` slots up to the query
+            mask = mask & (slots > pos - window)
+        return k_all, v_all, mask
+
+    def _write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v [B, kv_heads, T, hd]`` at ``positions``; the first B rows of slots."""
         b, hkv, t, hd = k.shape
         k_all, v_all = self.k[layer], self.v[layer]
         if b < self.max_batch:  # views: writes land in the cache
@@ -85,11 +110,41 @@ class StaticKVCache:
             idx = positions[:, None, :, None].expand(b, hkv, t, hd)
             k_all.scatter_(2, idx, k.to(k_all.dtype))
             v_all.scatter_(2, idx, v.to(v_all.dtype))
-        slots, pos = self._slots[None, None, None, :], positions[:, None, :, None]
-        mask = slots <= pos  # [B, 1, T, S]
-        if window is not None:  # a sliding layer: only the latest `window` slots up to the query
-            mask = mask & (slots > pos - window)
-        return k_all, v_all, mask
+        return k_all, v_all
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention: AttentionFn,
+        *,
+        positions: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Write the new keys and values, then attention for ``q [B, H, T, hd]`` -> ``[B, H, T, hd]``."""
+        if positions is None:
+            raise ValueError("StaticKVCache.attend needs the positions the keys are written at")
+        fast = fused_options(attention) if self.kernel and q.shape[2] == 1 else None
+        if fast is None:
+            k_all, v_all, mask = self.update(layer, k, v, positions, window=window)
+            return attention(q, k_all, v_all, mask)
+        k_all, v_all = self._write(layer, k, v, positions)
+        b, hkv, n, hd = k_all.shape
+        h = q.shape[1]
+        # pool [b * hkv blocks, n slots, 1 head, hd]; each block sees its sequence's length
+        lens = (positions[:, -1:] + 1).expand(b, hkv).contiguous().view(-1)
+        out = decode_attention(
+            q.reshape(b * hkv, h // hkv, hd),
+            k_all.view(b * hkv, n, 1, hd),
+            v_all.view(b * hkv, n, 1, hd),
+            self._table[: b * hkv],
+            lens,
+            window=window,
+            **fast,
+        )
+        return out.view(b, h, 1, hd)
 
 
 def _default_enabled(model: torch.nn.Module) -> bool:

@@ -110,6 +110,7 @@ LAYERS = [
         "llmlib.rope",
         "llmlib.norm",
         "llmlib.attention",
+        "llmlib.attention_kernel",  # decode attention in C++, read where a cache holds the keys
         "llmlib.block",
         "llmlib.model",
         "llmlib.sampling",

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmlib import attention_kernel as paged_kernel
 from llmlib.attention import naive_attention, sdpa_attention, tiled_attention
-from llmlib.engine import paged_cache, paged_kernel
+from llmlib.engine import paged_cache
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
 needs_kernel = pytest.mark.skipif(
@@ -135,6 +136,41 @@ def test_engine_tokens_unchanged_by_the_kernel(monkeypatch) -> None:
     fast = run()
     monkeypatch.setattr(paged_cache, "serves_pool", lambda pool: False)
     assert run() == fast
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("b", [1, 2])
+def test_static_cache_kernel_same_as_masked_attention(dtype, window, b) -> None:
+    """The compiled decode step's fixed-size cache: a one-token step through the kernel (written
+    slots only) equals the layer's attention over every slot under the mask, at each position;
+    a multi-token step (prefill) always takes the masked path."""
+    from llmlib.config import ModelConfig
+    from llmlib.cuda_graphs import StaticKVCache
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        "t", vocab_size=32, d_model=96, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=64
+    )
+    fast, slow = (StaticKVCache(cfg, 2, 32, dtype=dtype, kernel=kn) for kn in (True, False))
+    assert fast.kernel
+    fn = sdpa_attention if window is None else functools.partial(sdpa_attention, window=window)
+    win = {} if window is None else {"window": window}
+    D = cfg.head_dim
+    pos = torch.arange(9).expand(b, 9) + torch.arange(b)[:, None]  # rows at different positions
+    k, v = (torch.randn(b, 2, 9, D).to(dtype) for _ in range(2))
+    q = torch.randn(b, 6, 9, D).to(dtype)
+    out = [c.attend(0, q, k, v, fn, positions=pos, **win) for c in (fast, slow)]
+    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)  # prefill: the same path
+    for step in range(9, 20):
+        p = pos[:, -1:] + step - 8
+        q, k, v = (torch.randn(b, h, 1, D).to(dtype) for h in (6, 2, 2))
+        got, want = (c.attend(0, q, k, v, fn, positions=p, **win) for c in (fast, slow))
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+    with pytest.raises(ValueError, match="positions"):
+        fast.attend(0, q, k, v, fn)
 
 
 def test_reference_is_plain_attention() -> None:

@@ -73,6 +73,7 @@ class StaticDecodeStep:
         v: torch.Tensor,
         attention: AttentionFn,
         *,
+        positions: torch.Tensor | None = None,  # unused: the step's layout holds them
         window: int | None = None,
     ) -> torch.Tensor:
         """The paged step's attention over this layout; a sliding ``window`` is a mask computed

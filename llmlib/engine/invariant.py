@@ -149,6 +149,7 @@ class InvariantStep(PagedStep):
         v: torch.Tensor,
         attention: AttentionFn,
         *,
+        positions: torch.Tensor | None = None,  # unused: the step's layout holds them
         window: int | None = None,
     ) -> torch.Tensor:
         """Write the new keys and values, then tiled attention for every query ``[B, H, T, hd]``.

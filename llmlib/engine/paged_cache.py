@@ -19,8 +19,7 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   each sequence's tokens sit, so it computes attention sequence by sequence: a prefill chunk
   attends over its own sequence's keys (causal), and the single-token (decode) chunks go through
   batched calls, on a CPU one kernel that reads each sequence's blocks in place
-  (:mod:`llmlib.engine.paged_kernel`). So *every* token of a step, prefill and decode alike, can
-  share one row: one forward pass, one set of weight-matrix products per step.
+  (:mod:`llmlib.attention_kernel`). So every token of a step, prefill or decode, shares one row.
 
 A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method; the
 masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
@@ -37,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from llmlib.attention import AttentionFn
-from llmlib.engine.paged_kernel import decode_attention, fused_options, serves_pool
+from llmlib.attention_kernel import decode_attention, fused_options, serves_pool
 from llmlib.shapes import kv_cache_bytes
 
 
@@ -71,7 +70,7 @@ class PagedKVCache:
         # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
-        self.kernel = serves_pool(self.k[0])  # decode by llmlib.engine.paged_kernel (False: not)
+        self.kernel = serves_pool(self.k[0])  # decode by llmlib.attention_kernel (False: not)
 
     @property
     def bytes_per_block(self) -> int:
@@ -317,6 +316,7 @@ class PagedStep:
         v: torch.Tensor,
         attention: AttentionFn,
         *,
+        positions: torch.Tensor | None = None,  # unused: the step's layout holds them
         window: int | None = None,
     ) -> torch.Tensor:
         """The fast path, sequence by sequence: :func:`paged_attend`."""

@@ -1,18 +1,26 @@
-"""Decode attention read straight out of the paged pool: the engine's CPU kernel.
+"""Decode attention read straight out of a KV cache where it lies: the CPU kernel.
 
-:func:`~llmlib.engine.paged_cache.paged_attend` computes a batch of decoding sequences' attention
-with PyTorch's operators in two passes over the keys: ``index_select`` copies every sequence's
-blocks into one padded tensor, then ``scaled_dot_product_attention`` reads that copy. On a CPU the
-step is bound by memory, and the copy costs a large share of what the attention does. The kernel
-(``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks each sequence's
-block table instead, reads every key and value once where it lies, and keeps the softmax running as
-it goes (flash attention's online form), so nothing of the keys' size is written and no sequence
-pays for another's padding.
+A decoding query attends over its sequence's keys. Two caches hold those keys in ways PyTorch's
+fused attention serves badly on a CPU:
+
+* the batching engine's paged pool (:mod:`llmlib.engine.paged_cache`): with PyTorch's operators,
+  ``index_select`` first copies every sequence's blocks into one padded tensor, then
+  ``scaled_dot_product_attention`` reads that copy, and on a memory-bound step the copy costs a
+  large share of what the attention does;
+* the fixed-size cache of a compiled decode step (:class:`llmlib.cuda_graphs.StaticKVCache`):
+  every step attends over all its slots under a mask, so no shape changes, and PyTorch's CPU
+  kernel for one bfloat16 query costs several times its float32 one.
+
+The kernel (``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks a
+block table instead, reads every key and value of the sequence once where it lies, stops at the
+sequence's length, and keeps the softmax running as it goes (flash attention's online form), so
+nothing of the keys' size is written and no sequence pays for another's padding or for unused
+slots.
 
 It serves where all of this holds: a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or
-bfloat16 pools, a head size that is a multiple of 16, the layer's attention function being
+bfloat16 caches, a head size that is a multiple of 16, the layer's attention function being
 :func:`llmlib.attention.sdpa_attention` (with any score scale, soft cap or window), and
-``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere the two-pass path runs, as the reference the
+``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere PyTorch's operators run, as the reference the
 tests compare it with.
 """
 
