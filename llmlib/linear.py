@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmlib import matvec
+
 _ATTR = "_llmlib_packed"  # (packed weight, source data_ptr, source version), set on the Parameter
 #: rows per product in batch-invariant mode (:func:`fixed_row_tiles`); None: one product for all
 _ROW_TILE: ContextVar[int | None] = ContextVar("llmlib_row_tile", default=None)
@@ -99,6 +101,9 @@ def _tiled_linear(
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
+    if x.numel() == x.shape[-1] and x.dtype == torch.float32 and matvec.serves(weight):
+        y = matvec.matvec(x, weight)  # one row: where MKL streams slowly (llmlib.matvec)
+        return y if bias is None else y + bias
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
         p, ptr, version = packed
@@ -226,7 +231,11 @@ def matvec_layout_is_column_major(shape: torch.Size | tuple[int, ...]) -> bool:
     on the machines this book was written on, gate/up and the LM head streamed faster column-major
     and the down projection row-major.
     So: make the longer dimension the contiguous one (ties: column-major, slightly faster for wo).
+    Where llmlib's own kernel takes one-row products instead (:mod:`llmlib.matvec`), every
+    matrix stays row-major, the layout it streams.
     """
+    if matvec.preferred():
+        return False
     out_features, in_features = shape
     return out_features >= in_features
 
@@ -269,12 +278,17 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
     A second call returns 0. Weights that are not on the CPU only get their layout changed.
     """
     mats = [p for p in model.parameters() if p.dim() == 2]
-    if not mats or all(_in_matvec_layout(p) for p in mats):
+    if not mats:
         return 0
     dtypes = {p.dtype for p in mats}
     on_cpu = all(p.device.type == "cpu" for p in mats)
+    # done already: every layout right and, where one buffer can hold them all, in one buffer
+    # (a layout that needs no change, as for llmlib.matvec, still gets the huge pages, once)
+    one = on_cpu and len(dtypes) == 1
+    if all(_in_matvec_layout(p) for p in mats) and (not one or _shares_storage(mats)):
+        return 0
     with torch.no_grad():
-        if not (on_cpu and len(dtypes) == 1):
+        if not one:
             for p in mats:
                 if not _in_matvec_layout(p):
                     p.data = (
@@ -308,3 +322,8 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
             p.data = new
             offset += size
     return len(mats)
+
+
+def _shares_storage(mats: list[torch.Tensor]) -> bool:
+    base = mats[0].untyped_storage().data_ptr()
+    return all(p.untyped_storage().data_ptr() == base for p in mats)

@@ -105,6 +105,7 @@ LAYERS = [
         "llmlib.prompts",
     },
     {
+        "llmlib.matvec",  # one-row float32 products in C++, where MKL streams slowly
         "llmlib.linear",
         "llmlib.embedding",
         "llmlib.rope",
