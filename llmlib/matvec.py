@@ -46,6 +46,9 @@ def _vendor_prefers() -> bool:
     return cpu_vendor() not in ("GenuineIntel", "")
 
 
+# a compiled graph asks too: dynamo then calls this once, as it is, and keeps the answer
+# (tracing into it would break the graph at the /proc/cpuinfo read)
+@torch.compiler.assume_constant_result
 def preferred() -> bool:
     """Whether one-row float32 products run here instead of MKL's (``LLMLIB_MATVEC`` forces it:
     ``1`` on, ``0`` off; unset: on a CPU not made by Intel). Builds it on the first call."""
