@@ -94,6 +94,14 @@ def cpu_vendor() -> str:
 
 
 @functools.cache
+def mkl_tuned() -> bool:
+    """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here: on
+    Intel's CPUs (or where the vendor is unknown). It picks its code by vendor, and elsewhere
+    takes generic paths (:func:`llmlib.linear.onednn_float32_preferred`, :mod:`llmlib.matvec`)."""
+    return cpu_vendor() in ("GenuineIntel", "")
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
     return frozenset(_cpuinfo("flags").split())

@@ -165,11 +165,11 @@ def onednn_float32_preferred() -> bool:
     takes generic paths that multiply a few rows several times slower than one (chapter 8's
     verification cost shows it); oneDNN's own kernels do not. One row (batch-1 decode) keeps
     the plain matrix, which streams faster. ``LLMLIB_ONEDNN_FLOAT32=1``/``0`` forces it."""
-    from llmlib.device import cpu_vendor
+    from llmlib.device import mkl_tuned
     from llmlib.onednn import available
 
     forced = os.environ.get("LLMLIB_ONEDNN_FLOAT32")
-    wanted = forced != "0" if forced in ("0", "1") else cpu_vendor() not in ("GenuineIntel", "")
+    wanted = forced != "0" if forced in ("0", "1") else not mkl_tuned()
     return wanted and available(torch.float32)
 
 

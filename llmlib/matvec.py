@@ -39,25 +39,33 @@ def _load(isa: str) -> bool:
     return True
 
 
-@functools.cache
-def _vendor_prefers() -> bool:
-    from llmlib.device import cpu_vendor
-
-    return cpu_vendor() not in ("GenuineIntel", "")
-
-
 # a compiled graph asks too: dynamo then calls this once, as it is, and keeps the answer
 # (tracing into it would break the graph at the /proc/cpuinfo read)
 @torch.compiler.assume_constant_result
 def preferred() -> bool:
     """Whether one-row float32 products run here instead of MKL's (``LLMLIB_MATVEC`` forces it:
-    ``1`` on, ``0`` off; unset: on a CPU not made by Intel). Builds it on the first call."""
+    ``1`` on, ``0`` off; unset: on a CPU not made by Intel). Builds it on the first call.
+
+    :func:`llmlib.linear.linear` asks on every one-row product, and reading the environment
+    costs more than the rest of the check, so the answer is kept from the first call on
+    (``preferred.cache_clear()`` makes the next call read the variables again)."""
+    return _preferred()
+
+
+@functools.cache
+def _preferred() -> bool:
+    from llmlib.device import mkl_tuned
+
     forced = os.environ.get("LLMLIB_MATVEC")
-    if forced == "0" or not (forced == "1" or _vendor_prefers()):
+    if forced == "0" or not (forced == "1" or not mkl_tuned()):
         return False
     if native.has_avx512():
         return _load("avx512")
     return native.has_avx2() and _load("avx2")
+
+
+# a cached function's handle, on the function dynamo may call (a cached one it would trace into)
+preferred.cache_clear = _preferred.cache_clear  # type: ignore[attr-defined]
 
 
 def serves(weight: torch.Tensor) -> bool:

@@ -19,8 +19,14 @@ needs_kernel = pytest.mark.skipif(not can_build, reason="no AVX2 or AVX-512: no 
 @pytest.fixture
 def forced_on(monkeypatch):
     monkeypatch.setenv("LLMLIB_MATVEC", "1")
-    if not matvec.preferred():
-        pytest.skip("the kernel could not be built here")
+    matvec.preferred.cache_clear()  # the answer is kept per process: read the variable again
+    try:
+        if not matvec.preferred():
+            pytest.skip("the kernel could not be built here")
+        yield
+    finally:
+        monkeypatch.undo()
+        matvec.preferred.cache_clear()  # later tests see this machine's own choice
 
 
 @needs_kernel
