@@ -80,6 +80,9 @@ def compile_decode(step: Callable, model: nn.Module) -> Callable:
     inductor's own weight-only kernels turn each code into a float first. The Generator that
     compiles owns its model's layout from then on.
     """
+    from llmlib import matvec
+
+    matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.matvec)
     options = compile_options(model)
     if options is None:
         return torch.compile(step)

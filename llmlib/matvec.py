@@ -39,20 +39,25 @@ def _load(isa: str) -> bool:
     return True
 
 
-# a compiled graph asks too: dynamo then calls this once, as it is, and keeps the answer
-# (tracing into it would break the graph at the /proc/cpuinfo read)
-@torch.compiler.assume_constant_result
+_answer: list[bool] = []  # the kept answer, once known
+
+
 def preferred() -> bool:
     """Whether one-row float32 products run here instead of MKL's (``LLMLIB_MATVEC`` forces it:
     ``1`` on, ``0`` off; unset: on a CPU not made by Intel). Builds it on the first call.
 
     :func:`llmlib.linear.linear` asks on every one-row product, and reading the environment
     costs more than the rest of the check, so the answer is kept from the first call on
-    (``preferred.cache_clear()`` makes the next call read the variables again)."""
-    return _preferred()
+    (``preferred.cache_clear()`` makes the next call read the variables again). A compiled
+    graph that asks after the first call reads a module global, which dynamo folds into a
+    constant; :func:`llmlib.compiled.compile_decode` asks once before compiling, so dynamo never
+    traces the /proc/cpuinfo read (a graph break). Not ``torch.compiler.assume_constant_result``:
+    that decorator imports dynamo with this module, about 70 MB more in every process."""
+    if not _answer:
+        _answer.append(_preferred())
+    return _answer[0]
 
 
-@functools.cache
 def _preferred() -> bool:
     from llmlib.device import mkl_tuned
 
@@ -64,8 +69,7 @@ def _preferred() -> bool:
     return native.has_avx2() and _load("avx2")
 
 
-# a cached function's handle, on the function dynamo may call (a cached one it would trace into)
-preferred.cache_clear = _preferred.cache_clear  # type: ignore[attr-defined]
+preferred.cache_clear = _answer.clear  # type: ignore[attr-defined]
 
 
 def serves(weight: torch.Tensor) -> bool:

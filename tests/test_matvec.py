@@ -73,3 +73,15 @@ def test_errors_name_the_problem(forced_on) -> None:
         torch.ops.llmlib_matvec.matvec(torch.zeros(1, 15), torch.zeros(4, 15))
     with pytest.raises(RuntimeError, match="K = 16"):
         torch.ops.llmlib_matvec.matvec(torch.zeros(1, 8), torch.zeros(4, 16))
+
+
+
+def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
+    """A decorator from torch.compiler once imported dynamo with llmlib.matvec: about 70 MB of
+    modules in every process, which the bench's resident memory then counted as weights."""
+    code = (
+        "import sys, llmlib; llmlib.load_model(sys.argv[1], 'cpu', 'float32'); "
+        "llmlib.load_model(sys.argv[1], 'cpu', 'bfloat16', 'int8'); "
+        "assert 'torch._dynamo' not in sys.modules, 'loading imported torch._dynamo'"
+    )
+    subprocess.run([sys.executable, "-c", code, str(smollm2_path)], check=True, cwd=tmp_path)
