@@ -75,7 +75,6 @@ def test_errors_name_the_problem(forced_on) -> None:
         torch.ops.llmlib_matvec.matvec(torch.zeros(1, 8), torch.zeros(4, 16))
 
 
-
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
     """A decorator from torch.compiler once imported dynamo with llmlib.matvec: about 70 MB of
     modules in every process, which the bench's resident memory then counted as weights."""
