@@ -52,7 +52,7 @@ def preferred() -> bool:
     graph that asks after the first call reads a module global, which dynamo folds into a
     constant; :func:`llmlib.compiled.compile_decode` asks once before compiling, so dynamo never
     traces the /proc/cpuinfo read (a graph break). Not ``torch.compiler.assume_constant_result``:
-    that decorator imports dynamo with this module, about 70 MB more in every process."""
+    that decorator imports dynamo with this module, and so into every process that loads one."""
     if not _answer:
         _answer.append(_preferred())
     return _answer[0]

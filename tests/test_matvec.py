@@ -76,7 +76,7 @@ def test_errors_name_the_problem(forced_on) -> None:
 
 
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
-    """A decorator from torch.compiler once imported dynamo with llmlib.matvec: about 70 MB of
+    """A decorator from torch.compiler once imported dynamo with llmlib.matvec: modules
     modules in every process, which the bench's resident memory then counted as weights."""
     code = (
         "import sys, llmlib; llmlib.load_model(sys.argv[1], 'cpu', 'float32'); "
