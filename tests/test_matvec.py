@@ -76,8 +76,8 @@ def test_errors_name_the_problem(forced_on) -> None:
 
 
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
-    """A decorator from torch.compiler once imported dynamo with llmlib.matvec: modules
-    modules in every process, which the bench's resident memory then counted as weights."""
+    """A decorator from torch.compiler once imported dynamo with llmlib.matvec:
+    in every process, which the bench's resident memory then counted as weights."""
     code = (
         "import sys, llmlib; llmlib.load_model(sys.argv[1], 'cpu', 'float32'); "
         "llmlib.load_model(sys.argv[1], 'cpu', 'bfloat16', 'int8'); "
