@@ -15,6 +15,13 @@ operator between them is a separate call. Two inductor settings address both:
   and the following element-wise work fused in, and times them against ATen's for each shape
   (``ATEN`` stays a choice), keeping the faster.
 
+Every compiled step also skips dynamo's guards on the model's modules (:func:`own_step`): before
+each call dynamo checks thousands of facts about the modules it traced (their types, hooks,
+attributes, the identity of each weight), a visible share of a small model's step.
+The compiled step treats the modules as fixed, the same promise freezing already makes for the
+weights, and compiles a private copy of the step function, so that no other model can ever reach
+its graphs.
+
 What it costs: a longer first compile (the timing line reports it; inductor caches its kernels
 and choices on disk for the next process), constants a graph owns (the model keeps its own
 weights for prefill), and a compiled step that no longer sees later changes to the weights.
@@ -26,6 +33,7 @@ keeps inductor's defaults too (Triton kernels; :mod:`llmlib.cuda_graphs` capture
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +78,53 @@ def plain_bfloat16(model: nn.Module) -> int:
     return n
 
 
+def codes_left_to_inductor(model: nn.Module) -> int:
+    """How many int8/int4 matrices of ``model`` a frozen graph multiplies with inductor's own
+    weight-only kernels (those :mod:`llmlib.vnni` did not take: a width off its tiles, or
+    ``LLMLIB_VNNI=0``).
+
+    Inductor re-packs such a matrix for its kernel while it compiles, and its on-disk cache of
+    compiled graphs keys frozen weights by shape and dtype alone: a second model of the same shape,
+    in a later process, would be handed the first model's packed codes. So a graph with any of them
+    is compiled without that cache (``fx_graph_cache=False``); tests/test_quantize.py checks
+    both models' logits.
+    """
+    from llmlib.quantize import Int4Weight, Int8Weight, weight_matrices
+
+    return sum(
+        isinstance(m.weight, Int8Weight | Int4Weight) for m in weight_matrices(model).values()
+    )
+
+
+def own_step(step: Callable) -> Callable:
+    """A copy of ``step`` with a code object of its own.
+
+    dynamo keeps a function's compiled graphs, and the guards that pick one, on its code object,
+    whichever ``torch.compile`` wrapper called it. Once the guards on modules are dropped
+    (:func:`compile_decode`), two Generators sharing :func:`llmlib.generate.decode_step`'s code
+    could run one model's graph on the other's call; a private code object gives each compiled step
+    its own graphs (and spares each call the other models' guards).
+    """
+    fn = types.FunctionType(
+        step.__code__.replace(),
+        step.__globals__,
+        step.__name__,
+        step.__defaults__,
+        step.__closure__,
+    )
+    fn.__kwdefaults__ = step.__kwdefaults__
+    fn.__doc__, fn.__qualname__ = step.__doc__, step.__qualname__
+    return fn
+
+
+def _guard_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` plus the guard filter that skips the checks on nn.Module state."""
+    return {
+        **(options or {}),
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    }
+
+
 def compile_decode(step: Callable, model: nn.Module) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
@@ -78,19 +133,23 @@ def compile_decode(step: Callable, model: nn.Module) -> Callable:
     matrices in :mod:`llmlib.vnni`'s tiles where those kernels run: the graph calls them as
     extern kernels, which read the weights with every thread and multiply bytes by bytes, where
     inductor's own weight-only kernels turn each code into a float first. The Generator that
-    compiles owns its model's layout from then on.
+    compiles owns its model's layout from then on, and its modules: the compiled step does not
+    check them again (:func:`own_step`).
     """
     from llmlib import matvec
 
     matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.matvec)
     options = compile_options(model)
+    step = own_step(step)
     if options is None:
-        return torch.compile(step)
+        return torch.compile(step, options=_guard_options(None))
     plain_bfloat16(model)
     from llmlib.vnni import repack_model
 
     repack_model(model)
-    compiled = torch.compile(step, options=options)
+    if codes_left_to_inductor(model):
+        options["fx_graph_cache"] = False
+    compiled = torch.compile(step, options=_guard_options(options))
 
     def frozen_step(*args: Any, **kwargs: Any) -> Any:
         # dynamo reads ``freezing`` from the global config when it traces (it then treats the

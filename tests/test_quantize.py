@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -358,6 +359,51 @@ def test_generator_compiles_cpu_int8_frozen() -> None:
     # the eager step on the layout the compiled one owns now
     eager = Generator(model, tok).generate("the cat", max_new_tokens=6, ignore_eos=True)
     assert out.token_ids == eager.token_ids
+
+
+def test_two_compiled_generators_keep_their_own_graphs() -> None:
+    """A compiled step skips dynamo's guards on modules (llmlib.compiled.own_step): a second
+    model of the same shape, compiled in the same process, still runs its own frozen weights,
+    not the first's graph, nor the first's codes out of inductor's cache (this tiny model's
+    widths leave some int8 matrices to inductor's kernels: codes_left_to_inductor)."""
+    from llmlib.compiled import codes_left_to_inductor, compile_decode
+    from llmlib.generate import decode_step
+    from llmlib.kv_cache import KVCache
+    from llmlib.linear import prepare_cpu_weights
+
+    cfg = TINY.replace(vocab_size=300)
+    models = []
+    for seed in (1, 2):
+        m = random_model(cfg, "cpu", torch.bfloat16, seed=seed)
+        quantize_model(m, "int8")
+        prepare_cpu_weights(m)
+        models.append(m)
+
+    def step(model, fn):
+        cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 16, cfg.head_dim, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            model(torch.tensor([[5, 7, 9]]), torch.arange(3)[None], cache)
+            return fn(model, torch.tensor([[11]]), torch.tensor([[3]]), cache).float()
+
+    torch._dynamo.reset()
+    filters = []
+    compile_ = torch.compile
+
+    def spy(fn, **kw):  # what compile_decode asks torch.compile for
+        filters.append(kw.get("options", {}).get("guard_filter_fn"))
+        return compile_(fn, **kw)
+
+    steps = []
+    with mock.patch.object(torch, "compile", spy):
+        for m in models:
+            steps.append(compile_decode(decode_step, m))
+    assert filters == [torch.compiler.skip_guard_on_all_nn_modules_unsafe] * 2
+    assert codes_left_to_inductor(models[0]) > 0
+    got = [step(m, s) for m, s in zip(models, steps)]
+    want = [step(m, decode_step) for m in models]  # eager, on the layouts compiling made
+    assert not torch.allclose(want[0], want[1], atol=1e-2)  # the two models differ
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=2e-2, rtol=2e-2)
 
 
 def test_engine_kv_pool_in_the_models_dtype() -> None:
