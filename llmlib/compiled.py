@@ -2,7 +2,7 @@
 
 Once the weights shrink to bfloat16, int8 or int4, a decode step on the CPU costs less in bytes
 than in the work around them: ATen's weight-only kernels are tuned for many rows, and every small
-operator between them is a separate call. Two inductor settings address both:
+operator between them is a separate call. Inductor has settings for both:
 
 * ``freezing``: the weights become constants of the compiled graph, so inductor may re-store them
   once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
@@ -13,7 +13,10 @@ operator between them is a separate call. Two inductor settings address both:
 * ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX
   micro-kernels where the CPU has them, AVX-512 or AVX2 ones elsewhere) with the dequantization
   and the following element-wise work fused in, and times them against ATen's for each shape
-  (``ATEN`` stays a choice), keeping the faster.
+  (``ATEN`` stays a choice), keeping the faster;
+* ``cpp_wrapper``: the code that calls those kernels one after another is C++ too, where by
+  default it is Python; with a few hundred calls in a step of a few milliseconds, the Python
+  between them is a visible share of the step. It makes the first compile longer.
 
 Every compiled step also skips dynamo's guards on the model's modules (:func:`own_step`): before
 each call dynamo checks thousands of facts about the modules it traced (their types, hooks,
@@ -45,6 +48,7 @@ CPU_OPTIONS: dict[str, Any] = {
     "freezing": True,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
+    "cpp_wrapper": True,
 }
 
 
