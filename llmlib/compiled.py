@@ -37,6 +37,7 @@ keeps inductor's defaults too (Triton kernels; :mod:`llmlib.cuda_graphs` capture
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -129,37 +130,69 @@ def _guard_options(options: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def compile_decode(step: Callable, model: nn.Module) -> Callable:
+def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
     On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
     plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself, and int8/int4
     matrices in :mod:`llmlib.vnni`'s tiles where those kernels run: the graph calls them as
     extern kernels, which read the weights with every thread and multiply bytes by bytes, where
-    inductor's own weight-only kernels turn each code into a float first. The Generator that
-    compiles owns its model's layout from then on, and its modules: the compiled step does not
-    check them again (:func:`own_step`).
+    inductor's own weight-only kernels turn each code into a float first. The Generator (or
+    engine) that compiles owns its model's layout from then on, and its modules: the compiled
+    step does not check them again (:func:`own_step`). ``dynamic=True`` traces every size as a
+    symbol, so one graph serves every batch (:func:`compile_engine_step`).
     """
     from llmlib import matvec
 
     matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.matvec)
+    import torch.fx.experimental._config as fx_config
+
     options = compile_options(model)
     step = own_step(step)
-    if options is None:
-        return torch.compile(step, options=_guard_options(None))
-    plain_bfloat16(model)
-    from llmlib.vnni import repack_model
+    if options is not None:
+        plain_bfloat16(model)
+        from llmlib.vnni import repack_model
 
-    repack_model(model)
-    if codes_left_to_inductor(model):
-        options["fx_graph_cache"] = False
-    compiled = torch.compile(step, options=_guard_options(options))
+        repack_model(model)
+        if codes_left_to_inductor(model):
+            options["fx_graph_cache"] = False
+    compiled = torch.compile(step, dynamic=dynamic, options=_guard_options(options))
+    frozen = options is not None
 
-    def frozen_step(*args: Any, **kwargs: Any) -> Any:
-        # dynamo reads ``freezing`` from the global config when it traces (it then treats the
-        # parameters as constants); ``options`` reach only inductor, so set it around each call,
-        # which covers a recompile too
-        with torch._inductor.config.patch(freezing=True):
+    def compiled_step(*args: Any, **kwargs: Any) -> Any:
+        # Settings dynamo reads from the global config when it traces, so they are set around
+        # each call (which covers a recompile too): ``freezing`` (it then treats the parameters
+        # as constants; ``options`` reach only inductor), and for symbolic sizes no "duck
+        # shaping", which would assume two sizes equal because they were in the first call
+        # (a step's rows and its block table's length, say) and compile again when they differ.
+        with (
+            torch._inductor.config.patch(freezing=frozen),
+            fx_config.patch(use_duck_shape=not dynamic),
+        ):
             return compiled(*args, **kwargs)
 
-    return frozen_step
+    return compiled_step
+
+
+def engine_forward(
+    model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, step: Any
+) -> torch.Tensor:
+    """The batching engine's forward pass over one step: logits ``[rows, vocab]`` (what a
+    fixed-shape decode step runs, eagerly, compiled, or captured in a CUDA graph)."""
+    return model.logits(model.hidden(ids, positions, step)[0])
+
+
+#: model -> its compiled engine step; every engine on the same model shares one
+_ENGINE_STEPS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+
+
+def compile_engine_step(model: nn.Module) -> Callable:
+    """:func:`engine_forward` compiled for ``model``, with every size symbolic: one graph for every
+    batch size and history length of the engine's fixed-shape decode steps
+    (:class:`llmlib.engine.graphs.StaticDecodeStep`), with the options :func:`compile_decode`
+    chooses. Compiled once per model: another engine on the same model (a benchmark's next run)
+    reuses the graph instead of paying for the compile again. Nothing is traced until the first
+    call."""
+    if model not in _ENGINE_STEPS:
+        _ENGINE_STEPS[model] = compile_decode(engine_forward, model, dynamic=True)
+    return _ENGINE_STEPS[model]

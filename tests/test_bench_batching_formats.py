@@ -79,7 +79,7 @@ def test_vllm_peer_protocol(fake_vllm, monkeypatch) -> None:
 @pytest.mark.model
 def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, capsys) -> None:
     """Two formats and the (stand-in) peer on the same requests: ratios against float32 from the
-    same run, float32 agreeing with itself, and ``+compile`` refused by name."""
+    same run, float32 agreeing with itself, and an unknown format refused by name."""
     from llmlib.bench import batching
 
     out = tmp_path / "res.json"
@@ -107,5 +107,9 @@ def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, cap
     assert 0 <= peer["same_tokens_as_float32"] <= 1
     assert "vllm bfloat16" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        batching.main(argv[:3] + ["bfloat16+compile"] + argv[4:])
-    assert "--formats: bfloat16+compile: the batching engine runs eager" in capsys.readouterr().err
+        batching.main(argv[:3] + ["bfloat17"] + argv[4:])
+    assert "--formats: unknown format 'bfloat17'" in capsys.readouterr().err
+    # ``+compile`` is the compiled engine (LLM(compile=True), tests/test_engine.py)
+    from llmlib.bench.batching_formats import format_names
+
+    assert format_names("float32,bfloat16+compile") == ["float32", "bfloat16+compile"]

@@ -160,6 +160,29 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     assert llm.stats().preemptions > 0 if num_blocks == 48 else llm.stats().preemptions == 0
 
 
+def test_compiled_decode_steps_match_the_generator(model, tok, workload, reference):
+    """``LLM(compile=True)``: the fixed-shape decode steps through one torch.compile graph with
+    symbolic sizes, compiled when the engine starts. The same greedy tokens; no second graph for
+    the other batch sizes and history lengths; a second engine on the same model reuses the graph;
+    and the modes it does not serve say so."""
+    from torch._dynamo.utils import counters
+
+    prompts, max_tokens = (x[:24] for x in workload)
+    counters.clear()
+    kw = dict(num_blocks=512, block_size=4, max_num_batched_tokens=256, max_num_seqs=24)
+    llm = LLM(model, tok, compile=True, **kw)
+    assert llm.compile_s is not None and llm.compile_s > 0
+    outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    check_against_reference(outs, reference[:24], (prompts, max_tokens))
+    graphs = llm.runner.graphs
+    assert graphs.static_steps > 0 and len(graphs._entries) > 2  # several buckets, one graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    again = LLM(model, tok, compile=True, **kw)
+    assert again.compile_s < llm.compile_s / 10 and counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(ValueError, match="batch-invariant"):
+        LLM(model, tok, compile=True, batch_invariant=True, **kw)
+
+
 def test_static_decode_step_padding_touches_only_the_scratch_block():
     from llmlib.attention import sdpa_attention
     from llmlib.engine.graphs import StaticDecodeStep

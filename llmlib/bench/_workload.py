@@ -45,6 +45,7 @@ def run_continuous(
     max_num_batched_tokens: int,
     num_blocks: int | None = None,
     batch_invariant: bool = False,
+    compile: bool = False,
 ) -> dict[str, Any]:
     from llmlib.engine import LLM
 
@@ -57,6 +58,7 @@ def run_continuous(
         num_blocks=num_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=False,
+        compile=compile,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
@@ -72,4 +74,5 @@ def run_continuous(
         "stats": st,
         "pool_blocks": st.num_blocks,
         "peak_used_blocks": st.peak_used_blocks,
+        "compile_s": llm.compile_s,
     }

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from llmlib.bench import save_json
-from llmlib.bench.formats import format_of, parse_formats
+from llmlib.bench.formats import _rss_anon, format_of, parse_formats
 
 PEER_SCRIPT = Path(__file__).with_name("_vllm_peer.py")
 
@@ -95,19 +95,30 @@ def run(
     tok = llmlib.load_tokenizer(path)
     models: dict[str, torch.nn.Module] = {}
     rows: dict[str, dict[str, Any]] = {}
+    compiled: set[str] = set()
     for name in formats:
-        dtype, q = format_of(name)
-        # stored as LLM() stores what it loads
+        base, comp = name.removesuffix("+compile"), name.endswith("+compile")
+        dtype, q = format_of(base)
+        # stored as LLM() stores what it loads (a compiled row has a model of its own: compiling
+        # re-stores its matrices for the graph)
         models[name] = m = for_batches(llmlib.load_model(path, "cpu", dtype, q))
-        fmt = getattr(m, "weight_format", dtype)
-        rows[name] = {"name": name, "dtype": dtype, "quantization": q, "weight_format": fmt}
-        run_continuous(m, tok, requests[:4], *engine)  # warm up
-        log(f"loaded {name}: {fmt}")
+        rows[name] = {"name": name, "dtype": dtype, "quantization": q, "compiled": comp}
+        if comp:
+            compiled.add(name)
+        before = _rss_anon()
+        warm = run_continuous(m, tok, requests[:4], *engine, compile=comp)  # warm up (compile)
+        if comp:
+            rows[name]["compile_s"] = round(warm["compile_s"], 1)
+            grown = _rss_anon()
+            if before is not None and grown is not None:  # the constants the frozen graph owns
+                rows[name]["compile_resident_bytes"] = grown - before
+        rows[name]["weight_format"] = fmt = getattr(m, "weight_format", dtype)
+        log(f"loaded {name}: {fmt}" + (f", compiled in {warm['compile_s']:.0f} s" if comp else ""))
     total = sum(r.max_tokens for r in requests)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in models}
     for i in range(repeats):
         for name, m in models.items():
-            runs[name].append(run_continuous(m, tok, requests, *engine))
+            runs[name].append(run_continuous(m, tok, requests, *engine, compile=name in compiled))
         log(
             f"run {i + 1}/{repeats}: "
             + ", ".join(f"{k} {total / v[-1]['seconds']:.1f}" for k, v in runs.items())
@@ -127,8 +138,14 @@ def run(
     base = rows[ref_name]["continuous_tokens_per_s"]
     for r in rows.values():
         r[f"vs_{ref_name}"] = round(r["continuous_tokens_per_s"] / base, 3)
-    if perplexity_tokens:
-        quality(models, tok, perplexity_tokens, rows, log)
+    if perplexity_tokens:  # eager rows: a compiled row's prefill and graph hold the same weights
+        quality(
+            {k: m for k, m in models.items() if k not in compiled},
+            tok,
+            perplexity_tokens,
+            rows,
+            log,
+        )
     peers = []
     if vllm_python:
         fp32 = models.get("float32") or llmlib.load_model(path, "cpu", "float32", None)
@@ -155,9 +172,10 @@ def run(
                     "seconds_all_runs": [round(s, 3) for s in out["seconds"]],
                     f"same_tokens_as_{ref_name}": _token_share(out["outputs"], ref),
                 }
-                mine = rows.get(dt)
-                if mine is not None:
-                    peer["llmlib_vs_vllm"] = float(f"{mine['continuous_tokens_per_s'] / tps:.4g}")
+                for key, label in ((dt, "llmlib_vs_vllm"), (dt + "+compile", "compiled_vs_vllm")):
+                    mine = rows.get(key)
+                    if mine is not None:
+                        peer[label] = float(f"{mine['continuous_tokens_per_s'] / tps:.4g}")
                 peers.append(peer)
                 log(f"vLLM {out['version']} {dt}: {tps:.1f} tok/s")
     return {
@@ -194,13 +212,9 @@ def print_table(res: dict[str, Any]) -> None:
 
 
 def format_names(text: str) -> list[str]:
-    """``--formats`` for the engine: a ValueError names an unknown or compiled one."""
-    names = []
-    for name, comp in parse_formats(text):
-        if comp:
-            raise ValueError(f"{name}+compile: the batching engine runs eager")
-        names.append(name)
-    return names
+    """``--formats`` for the engine (``+compile``: ``LLM(compile=True)``); a ValueError names an
+    unknown one."""
+    return [name + ("+compile" if comp else "") for name, comp in parse_formats(text)]
 
 
 def main_formats(ap, args, log) -> int:

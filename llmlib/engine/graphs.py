@@ -8,7 +8,10 @@ address: :class:`StaticDecodeStep` is such a step (rows x blocks, both rounded u
 two), and :class:`PagedDecodeGraphs` captures one graph per shape the first time it is needed.
 
 On the CPU the same fixed-shape steps run eagerly (nothing to capture), which is what the tests
-exercise.
+exercise, or compiled (``LLM(compile=True)``): one graph with symbolic sizes serves every bucket
+(:func:`llmlib.compiled.compile_engine_step`), so inductor fuses each layer's small operators and,
+for bfloat16 or quantized weights, picks its own matrix kernels, as it does for the batch-1
+decode step.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class PagedDecodeGraphs:
         max_blocks: int,
         enabled: bool | None = None,
         warmup: int = 2,
+        min_size: int = 1,
     ) -> None:
         if max_rows < 1 or max_blocks < 1:
             raise ValueError(
@@ -145,6 +149,9 @@ class PagedDecodeGraphs:
             )
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
         self.max_rows, self.max_blocks, self.warmup = max_rows, max_blocks, warmup
+        # a compiled forward traces sizes as symbols, except a size of 1, which it would compile
+        # a second graph for: such a step pads one row (or block) more
+        self.min_size = min_size
         self.enabled = (cache.device.type == "cuda") if enabled is None else bool(enabled)
         if self.enabled and cache.device.type != "cuda":
             raise ValueError("PagedDecodeGraphs: CUDA graphs need the KV pool on a CUDA device")
@@ -163,8 +170,8 @@ class PagedDecodeGraphs:
     def key(self, chunks: Sequence[Any]) -> tuple[int, int]:
         bs = self.cache.block_size
         return (
-            _bucket(len(chunks), self.max_rows),
-            _bucket(max(c.start // bs + 1 for c in chunks), self.max_blocks),
+            _bucket(max(len(chunks), self.min_size), self.max_rows),
+            _bucket(max(self.min_size, *(c.start // bs + 1 for c in chunks)), self.max_blocks),
         )
 
     @torch.inference_mode()
@@ -201,6 +208,14 @@ class PagedDecodeGraphs:
             for b in blocks:
                 self._entry((r, b))
         return len(self._entries)
+
+    @torch.inference_mode()
+    def run_padding(self, rows: int) -> None:
+        """Run the fixed-shape step of ``rows`` rows (a bucket) once, all padding: it writes only
+        into the scratch block. A compiled forward compiles here, before any request waits."""
+        size = min(self.min_size, self.max_blocks)
+        step = self._entry((_bucket(max(rows, self.min_size), self.max_rows), size))[0]
+        self.forward(step.ids, step.positions, step)
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:

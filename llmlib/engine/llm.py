@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llmlib.engine.block_manager import BlockManager
-from llmlib.engine.load import load_engine_model
+from llmlib.engine.load import default_num_blocks, load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
@@ -33,7 +33,6 @@ from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from llmlib.engine.speculate import engine_speculator
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
-from llmlib.shapes import kv_cache_bytes as kv_formula
 
 
 class LLM:
@@ -52,6 +51,9 @@ class LLM:
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
+
+    ``compile=True`` (CPU) runs those fixed-shape steps through one graph for every batch size
+    (:func:`llmlib.compiled.compile_engine_step`), compiled at start (``llm.compile_s``).
 
     ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
     process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
@@ -83,13 +85,17 @@ class LLM:
         tp_options: Any = None,
         speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
         batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
+        compile: bool = False,  # torch.compile the CPU decode steps (llmlib.compiled)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
+        #: seconds the first compiled decode step took (compile=True), else None
+        self.compile_s: float | None = None
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
-            if quantization is not None or batch_invariant:
+            if quantization is not None or batch_invariant or compile:
                 what = f"quantization={quantization!r}" if quantization else "batch_invariant=True"
+                what = "compile=True" if compile else what
                 raise ValueError(
                     f"LLM: {what} with tensor_parallel_size="
                     f"{tensor_parallel_size}: not implemented for sharded ranks, for now"
@@ -111,20 +117,11 @@ class LLM:
             if not isinstance(block_size, int) or block_size <= 0:
                 raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
             max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
-            local = model_obj.config  # a rank's pool holds its own KV heads
-            bytes_per_block = kv_formula(
-                local.n_layers, local.n_kv_heads, local.head_dim, block_size, self.dtype.itemsize
-            )
-            if num_blocks is None:
-                if kv_cache_bytes is None:
-                    if self.device.type == "cuda":
-                        free, _ = torch.cuda.mem_get_info(self.device)
-                        kv_cache_bytes = int(free * 0.8)
-                    else:
-                        kv_cache_bytes = 1 << 30
-                # never more than max_num_seqs full-length sequences (plus one block each) could use
-                needed = max_num_seqs * (-(-max_len // block_size) + 1)
-                num_blocks = max(1, min(needed, int(kv_cache_bytes // bytes_per_block)))
+            if num_blocks is None:  # a rank's pool holds its own KV heads: its own config
+                num_blocks = default_num_blocks(
+                    model_obj.config, self.device, self.dtype, block_size, max_len,
+                    max_num_seqs, kv_cache_bytes,
+                )  # fmt: skip
             if not isinstance(num_blocks, int) or num_blocks <= 0:
                 raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
             if max_num_batched_tokens is None:
@@ -149,7 +146,10 @@ class LLM:
                     max_graph_rows=max_num_seqs,
                     max_model_len=max_len,
                     batch_invariant=batch_invariant,
+                    compile=compile,
                 )
+                if compile:  # now, before any request waits for it
+                    self.compile_s = self.runner.compile_now(min(32, max_num_seqs))
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
             self._spec = engine_speculator(speculative_config, self._tp is not None)
             self._requests: dict[str, EngineRequest] = {}

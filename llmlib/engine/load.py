@@ -54,3 +54,30 @@ def for_batches(model: torch.nn.Module) -> torch.nn.Module:
 
     repack_model(model)
     return model
+
+
+def default_num_blocks(
+    config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    max_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int | None,
+) -> int:
+    """The KV pool's size when :class:`llmlib.LLM` is not given ``num_blocks``: ``kv_cache_bytes``
+    worth (default: 80% of the free memory on a GPU, 1 GiB on a CPU), never more than
+    ``max_num_seqs`` full-length sequences (plus one block each) could use."""
+    from llmlib.shapes import kv_cache_bytes as kv_formula
+
+    per_block = kv_formula(
+        config.n_layers, config.n_kv_heads, config.head_dim, block_size, dtype.itemsize
+    )
+    if kv_cache_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_cache_bytes = int(free * 0.8)
+        else:
+            kv_cache_bytes = 1 << 30
+    needed = max_num_seqs * (-(-max_len // block_size) + 1)
+    return max(1, min(needed, int(kv_cache_bytes // per_block)))

@@ -213,7 +213,7 @@ def paged_attend(
     for g in layout.decodes:
         n = len(g.rows)
         if fast is not None and g.lens is not None:  # straight out of the pool, one pass
-            qd, table = q[g.rows, :, g.cols], g.table.view(n, g.n_blocks)  # qd [n, H, D]
+            qd, table = q[g.rows, :, g.cols], g.table.view(n, -1)  # qd [n, H, D]; [n, blocks]
             o = decode_attention(qd, kp, vp, table, g.lens, window=window, **fast)
             out[g.rows, g.cols] = o
             continue

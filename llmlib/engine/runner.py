@@ -10,12 +10,14 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from llmlib.attention import AttendingCache
+from llmlib.compiled import engine_forward
 from llmlib.engine.graphs import PagedDecodeGraphs
 from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
@@ -39,6 +41,7 @@ class ModelRunner:
         max_graph_rows: int = 64,
         max_model_len: int | None = None,
         batch_invariant: bool = False,
+        compile: bool = False,
     ) -> None:
         cfg = model.config
         #: every step through llmlib.engine.invariant (fixed row tiles, tiled attention)
@@ -47,6 +50,19 @@ class ModelRunner:
             cuda_graphs = False  # the fixed-shape decode step uses the default attention
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
+        forward = self._forward_rows
+        if compile:
+            if self.device.type != "cpu" or batch_invariant:
+                why = (
+                    "on CUDA the decode steps replay CUDA graphs"
+                    if not batch_invariant
+                    else ("the batch-invariant mode fixes its own kernels")
+                )
+                raise ValueError(f"compile=True compiles the CPU engine's decode steps: {why}")
+            from llmlib.compiled import compile_engine_step
+
+            forward = functools.partial(compile_engine_step(model), model)
+            cuda_graphs = True  # the fixed-shape steps, run (not captured) by the compiled graph
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         # With graphs the pool gets one block more than the block manager hands out: the scratch
@@ -64,20 +80,36 @@ class ModelRunner:
         if cuda_graphs:
             max_len = max_model_len or cfg.max_seq_len
             self.graphs = PagedDecodeGraphs(
-                self._forward_rows,
+                forward,
                 self.cache,
                 scratch_block=num_blocks,
                 max_rows=max_graph_rows,
                 max_blocks=-(-max_len // block_size),
                 enabled=self.device.type == "cuda",
+                min_size=2 if compile else 1,
             )
         self.forward_passes = 0
+
+    def compile_now(self, rows: int) -> float:
+        """Compile the decode step (``compile=True``) on an all-padding step of ``rows`` rows
+        (inductor tunes its matrix kernels for the rows it first sees); seconds it took."""
+        import sys
+        import time
+
+        print(
+            "llmlib: compiling the engine's decode step (minutes on a small CPU)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        self.graphs.run_padding(rows)
+        return time.perf_counter() - t0
 
     def _forward_rows(
         self, ids: torch.Tensor, positions: torch.Tensor, step: AttendingCache
     ) -> torch.Tensor:
         """The forward pass a fixed-shape decode step runs (and a CUDA graph records): logits [rows, V]."""
-        return self.model.logits(self.model.hidden(ids, positions, step)[0])
+        return engine_forward(self.model, ids, positions, step)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks ``src -> dst`` (a forked sequence's copy-on-write; every rank under TP)."""

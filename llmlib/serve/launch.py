@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every request's logits bitwise independent of its batch (reproducible temperature 0)",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the CPU engine's decode steps before serving (takes minutes, once)",
+    )
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     if args.tensor_parallel_size > 1:
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
+        compile=args.compile,
     )
     name = args.served_model_name or name
     app = create_app(
