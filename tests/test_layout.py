@@ -124,7 +124,7 @@ LAYERS = [
     {
         "llmlib.checkpoints",
         "llmlib.generate",
-        "llmlib.compiled",  # how the decode step is compiled on each device
+        "llmlib.compiled",  # how a decode step (batch 1, or the engine's) is compiled per device
         "llmlib.vnni",  # int8/int4 matrices re-stored for the engine's integer products
         "llmlib.cuda_graphs",
         "llmlib.perplexity",
