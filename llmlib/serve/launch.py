@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         compile=args.compile,
     )
     name = args.served_model_name or name
+    if engine.llm.compile_s is not None:
+        print(f"llmlib serve: decode step compiled in {engine.llm.compile_s:.0f} s", flush=True)
     app = create_app(
         engine.start(),
         name,
