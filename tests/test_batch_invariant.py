@@ -131,7 +131,11 @@ def test_tensor_parallel_is_refused():
         LLM(tiny(torch.float32), batch_invariant=True, tensor_parallel_size=2)
 
 
-def test_serve_flag_reaches_the_engine(monkeypatch):
+@pytest.mark.parametrize(
+    "flag, key", [("--batch-invariant", "batch_invariant"), ("--compile", "compile")]
+)
+def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
+    """``llmlib serve --batch-invariant`` / ``--compile`` reach the engine's keyword (only when given)."""
     import llmlib.serve.launch as launch
 
     seen: dict = {}
@@ -144,7 +148,7 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(launch, "build_engine", fake_build)
-    for argv, want in ((["--batch-invariant"], True), ([], False)):
+    for argv, want in (([flag], True), ([], False)):
         with pytest.raises(Stop):
             launch.main(argv)
-        assert seen["batch_invariant"] is want
+        assert seen[key] is want

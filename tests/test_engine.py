@@ -391,23 +391,3 @@ def test_bench_static_baseline_is_honest(model, tok, workload, reference):
     # the tiny model has no EOS, so the Generator's tokens are exactly max_tokens long too
     assert res["outputs"] == [r.token_ids for r in reference[:12]]
     assert 0.0 < res["waste"] < 1.0
-
-
-def test_serve_compile_flag_reaches_the_engine(monkeypatch):
-    """``llmlib serve --compile`` asks the engine for compiled decode steps (and only then)."""
-    import llmlib.serve.launch as launch
-
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_build(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(launch, "build_engine", fake_build)
-    for argv, want in ((["--compile"], True), ([], False)):
-        with pytest.raises(Stop):
-            launch.main(argv)
-        assert seen["compile"] is want
