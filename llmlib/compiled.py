@@ -145,8 +145,6 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
     from llmlib import matvec
 
     matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.matvec)
-    import torch.fx.experimental._config as fx_config
-
     options = compile_options(model)
     step = own_step(step)
     if options is not None:
@@ -157,6 +155,10 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
         if codes_left_to_inductor(model):
             options["fx_graph_cache"] = False
     compiled = torch.compile(step, dynamic=dynamic, options=_guard_options(options))
+    if options is None and not dynamic:
+        return compiled
+    import torch.fx.experimental._config as fx_config
+
     frozen = options is not None
 
     def compiled_step(*args: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlib.attention import AttendingCache
-from llmlib.compiled import engine_forward
+from llmlib.compiled import compile_engine_step, engine_forward
 from llmlib.engine.graphs import PagedDecodeGraphs
 from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
@@ -52,15 +52,11 @@ class ModelRunner:
         self.model, self.device, self.dtype = model, p.device, p.dtype
         forward = self._forward_rows
         if compile:
-            if self.device.type != "cpu" or batch_invariant:
-                why = (
+            if batch_invariant or self.device.type != "cpu":
+                why = "the batch-invariant mode fixes its own kernels" if batch_invariant else (
                     "on CUDA the decode steps replay CUDA graphs"
-                    if not batch_invariant
-                    else ("the batch-invariant mode fixes its own kernels")
-                )
+                )  # fmt: skip
                 raise ValueError(f"compile=True compiles the CPU engine's decode steps: {why}")
-            from llmlib.compiled import compile_engine_step
-
             self._compiled = compile_engine_step(model)  # shared by every engine on the model
             forward = functools.partial(self._compiled, model)
             cuda_graphs = True  # the fixed-shape steps, run (not captured) by the compiled graph
