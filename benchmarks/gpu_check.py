@@ -14,7 +14,7 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
    weights when the file is in the cache, else random weights of the same shape (speed does not
    depend on the values).
 4. ``llama8b_batch1``: a Llama-3.1-8B-shaped model with random bfloat16 weights at batch 1: tokens/s
-   and model bandwidth utilisation (bytes a decode step must read, from ``llmlib.roofline``, over the
+   and model bandwidth utilisation (bytes a decode step must read, from ``llmlib.analysis.roofline``, over the
    measured time) against the measured copy bandwidth and the datasheet. Goal: at least 70%.
 4b. ``llama8b_formats``: the same shape in bfloat16, weight-only int8 and int4 (group 32): tokens/s,
    the bytes a step reads as stored, and that traffic against the measured copy bandwidth.
@@ -24,7 +24,7 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
    machine): a checkpoint of ``--tp-layers`` layers of ``--tp-model``'s shape is saved, then run
    at TP = 1 and TP = N: greedy tokens equal in float32, each rank's weights its shard, every KV
    block returned; in bfloat16, tokens/s of both and the share of a step in all-reduce (timed with
-   a device sync around each call, so that run is slower), beside ``llmlib.capacity``'s figure.
+   a device sync around each call, so that run is slower), beside ``llmlib.analysis.capacity``'s figure.
 
 ``--dry-run`` does all of it on the CPU with tiny shapes (2 layers, 8 requests, short lengths) and
 writes the same schema with ``"dry_run": true`` to ``gpu_check.dry_run.json``, so the real results
@@ -51,11 +51,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a plain copy of the tree, installed or not
 
-from llmlib import roofline  # noqa: E402
+from llmlib.analysis import roofline  # noqa: E402
+from llmlib.analysis.roofline import measure_bandwidth  # noqa: E402
 from llmlib.config import ModelConfig, get_config  # noqa: E402
-from llmlib.cuda_graphs import GraphedDecoder, StaticKVCache  # noqa: E402
 from llmlib.device import Timer, choose, machine_info, synchronize  # noqa: E402
-from llmlib.roofline import measure_bandwidth  # noqa: E402
+from llmlib.runtime.static import GraphedDecoder, StaticKVCache  # noqa: E402
 
 SCHEMA = "llmlib.gpu_check/1"
 
@@ -415,7 +415,7 @@ class Check:
             "goal_met": achieved / bw >= 0.70,
         }
         if self.place.is_cuda:
-            from llmlib.costs import get_gpu
+            from llmlib.analysis.costs import get_gpu
 
             name = torch.cuda.get_device_name(dev).lower()
             key = "h200" if "h200" in name else ("h100-sxm" if "h100" in name else None)
@@ -584,7 +584,7 @@ class Check:
         and, in bfloat16, tokens/s and the share of each step spent in all-reduce."""
         import tempfile
 
-        from llmlib.capacity import shard
+        from llmlib.analysis.capacity import shard
         from llmlib.checkpoints.save import save_hf_folder
         from llmlib.engine import LLM
         from llmlib.parallel.driver import TPOptions

@@ -8,7 +8,7 @@ step's largest logit), every rank's resident weight bytes against its shard and 
 its KV blocks after the run, the share of its step time spent in all-reduce, and the split
 engine's time per step over the unsplit one's (the ratio is the result; on a shared CPU the
 ranks compete for the cores, so it says nothing about GPUs: chapter 11 puts it beside
-``llmlib.capacity``'s figure).
+``llmlib.analysis.capacity``'s figure).
 """
 
 from __future__ import annotations

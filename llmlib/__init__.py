@@ -18,7 +18,7 @@ _EXPORTS: dict[str, str] = {
     "get_config": "llmlib.config",
     "fetch_model": "llmlib.checkpoints",
     "default_model_path": "llmlib.checkpoints",
-    "GPUS": "llmlib.gpus",
+    "GPUS": "llmlib.analysis.gpus",
     "train_bpe": "llmlib.tokenizer",
     "load_tokenizer": "llmlib.tokenizer",
     "Tokenizer": "llmlib.tokenizer",

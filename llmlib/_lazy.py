@@ -1,6 +1,6 @@
 """Lazy re-exports for package ``__init__`` files: a name's module is imported on first use.
 
-``import llmlib`` and ``import llmlib.checkpoints.gguf_file`` (which the tokenizer needs to read a
+``import llmlib`` and ``import llmlib.gguf_file`` (which the tokenizer needs to read a
 GGUF file's vocabulary) then stay fast and torch-free until a model is actually asked for.
 """
 

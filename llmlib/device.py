@@ -97,7 +97,7 @@ def cpu_vendor() -> str:
 def mkl_tuned() -> bool:
     """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here: on
     Intel's CPUs (or where the vendor is unknown). It picks its code by vendor, and elsewhere
-    takes generic paths (:func:`llmlib.linear.onednn_float32_preferred`, :mod:`llmlib.matvec`)."""
+    takes generic paths (:func:`llmlib.kernels.linear.onednn_float32_preferred`, :mod:`llmlib.kernels.matvec`)."""
     return cpu_vendor() in ("GenuineIntel", "")
 
 
@@ -121,7 +121,7 @@ def native_bf16() -> bool:
 #: ``llmlib bench generate --formats ... --perplexity-tokens`` (decode) and ``llmlib bench
 #: batching --dtype/--quantization`` (batched); tests/test_quantize.py checks the order against
 #: the recorded runs in results/. For batches bfloat16 came first in the latest record: oneDNN
-#: multiplies many rows with AMX, where the integer formats' VNNI products (llmlib.vnni) work
+#: multiplies many rows with AMX, where the integer formats' VNNI products (llmlib.kernels.integer) work
 #: through a row's dot products vector by vector. (Integer formats in a batch need AVX-512 VNNI:
 #: PyTorch's weight-only kernels are made for one row.)
 AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from llmlib.compiled import compile_decode
-from llmlib.cuda_graphs import StaticKVCache
-from llmlib.kv_cache import KVCache
-from llmlib.linear import use_matvec_layout
+from llmlib.kernels.linear import use_matvec_layout
+from llmlib.model.kv_cache import KVCache
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
+from llmlib.runtime.compile import compile_decode
+from llmlib.runtime.static import StaticKVCache
 from llmlib.sampling import SamplingParams, sample
 from llmlib.speculative import SpecStats, SpeculativeConfig, Speculator
 from llmlib.text import TextStream
@@ -94,11 +94,11 @@ class Generator:
     """One request at a time: a model, its tokenizer and a static KV cache reused across calls.
 
     On the CPU each weight matrix is stored in the layout that makes decode's matrix-vector products
-    fastest (:func:`llmlib.linear.use_matvec_layout`; :func:`llmlib.load_model` already does this
+    fastest (:func:`llmlib.kernels.linear.use_matvec_layout`; :func:`llmlib.load_model` already does this
     on CPU, so for a loaded model this is a no-op); ``decode_layout=False`` leaves the model
     untouched.
 
-    ``compile=True`` hands the decode step to ``torch.compile`` (:func:`llmlib.compiled.compile_decode`).
+    ``compile=True`` hands the decode step to ``torch.compile`` (:func:`llmlib.runtime.compile.compile_decode`).
     On the CPU, a bfloat16 model's oneDNN-blocked matrices then go back to plain ones, which a
     frozen graph packs for itself: the compiling Generator owns its model's layout.
 
@@ -136,7 +136,7 @@ class Generator:
         self.last_result: GenerationResult | None = None
         # The decode step: eager (the reference the book reads), or torch.compile'd (inductor
         # fuses each layer's small operators into a few C++/Triton kernels; on the CPU, with
-        # bfloat16 or quantized weights, frozen and autotuned: llmlib.compiled). Compiled lazily,
+        # bfloat16 or quantized weights, frozen and autotuned: llmlib.runtime.compile). Compiled lazily,
         # once per Generator, on the first request; inductor's on-disk cache makes the next
         # process's compile a cache hit. ``compile_s`` is what the first compiled call cost.
         self.compile = bool(compile)

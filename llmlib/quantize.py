@@ -20,7 +20,7 @@ The codes before packing are :class:`ChannelCodes` and :class:`GroupCodes`: plai
 by row, so fused matrices (q/k/v, gate/up) are the row-wise concatenation of their parts, and a
 GGUF file's own blocks can be turned into codes without re-quantizing
 (:mod:`llmlib.checkpoints.repack`). :func:`quantize_model` swaps a loaded model's weight matrices
-for packed ones; :func:`llmlib.linear.linear` and :func:`llmlib.linear.embedding_rows` call the
+for packed ones; :func:`llmlib.kernels.linear.linear` and :func:`llmlib.kernels.linear.embedding_rows` call the
 packed weight's own product and row lookup.
 """
 
@@ -60,36 +60,48 @@ class ChannelCodes:
 
 @dataclass
 class GroupCodes:
-    """4-bit codes ``q [N, K]`` (uint8, 0..15) and per-group float32 ``scale``/``zero`` ``[N, K/g]``:
-    ``w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``."""
+    """Codes ``q [N, K]`` (uint8, ``0 .. 2**bits - 1``) and per-group float32 ``scale``/``zero``
+    ``[N, K/g]``: ``w[n, k] = (q[n, k] - 2**(bits-1)) * scale[n, k // g] + zero[n, k // g]``.
+
+    ``bits=4`` is the int4 layout (``q - 8``); ``bits=8`` holds 8-bit codes with a scale and an
+    offset per group, which is what most of a GGUF file's block types are once their constants
+    are multiplied out (:mod:`llmlib.checkpoints.repack`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
+    bits: int = 4
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def offset(self) -> int:
+        """What a code's value is measured from: 8 for 4-bit codes, 128 for 8-bit ones."""
+        return 1 << (self.bits - 1)
+
     def dequantize(self) -> torch.Tensor:
         g = self.group_size
         s = self.scale.repeat_interleave(g, dim=1)
         z = self.zero.repeat_interleave(g, dim=1)
-        return (self.q.float() - 8) * s + z
+        return (self.q.float() - self.offset) * s + z
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
-        sizes = {p.group_size for p in parts}
-        if len(sizes) != 1:
+        kinds = {(p.group_size, p.bits) for p in parts}
+        if len(kinds) != 1:
             raise ValueError(
-                f"cannot fuse int4 matrices with different group sizes {sorted(sizes)}"
+                f"cannot fuse matrices with different (group size, bits) {sorted(kinds)}"
             )
+        g, bits = kinds.pop()
         return GroupCodes(
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
-            sizes.pop(),
+            g,
+            bits,
         )
 
 

@@ -2,7 +2,7 @@
 
 One table serves everything that needs to know what a checkpoint must contain: the loaders check
 a state dict against it (:func:`llmlib.checkpoints.build.check_state_dict`), and the cost model
-counts parameters from it (:func:`llmlib.costs.param_counts`). It is plain arithmetic on a
+counts parameters from it (:func:`llmlib.analysis.costs.param_counts`). It is plain arithmetic on a
 :class:`~llmlib.config.ModelConfig`, with no torch, so ``llmlib costs`` runs without importing it.
 
 The names are llmlib's own (``layers.3.attn.wq.weight``), the contract every loader maps a

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from llmlib.attention import causal_mask, naive_attention, sdpa_attention, tiled_attention
+from llmlib.model.attention import causal_mask, naive_attention, sdpa_attention, tiled_attention
 
 TOL = 1e-5
 

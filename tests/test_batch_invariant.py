@@ -1,7 +1,7 @@
 """Batch-invariant mode: a request's logits bitwise the same in every situation the engine puts it in.
 
 Tiny random models (float32 with oneDNN's packed copy, and bfloat16 in oneDNN's layout, the
-default format on this CPU) through :func:`llmlib.invariance.measure`: batches of 4 and 16,
+default format on this CPU) through :func:`llmlib.analysis.invariance.measure`: batches of 4 and 16,
 chunked prefill at two budgets, preemption with recompute, a prefix-cache hit. Every case must
 be bitwise identical to the request run alone in batch-invariant mode; the same cases in the
 default mode must show a difference somewhere (else these tests could not tell the modes apart).
@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
+from llmlib.analysis.invariance import measure
 from llmlib.config import ModelConfig
 from llmlib.engine import LLM
-from llmlib.invariance import measure
-from llmlib.linear import fixed_row_tiles, linear, pack_bfloat16, pack_weights
+from llmlib.kernels.linear import fixed_row_tiles, linear, pack_bfloat16, pack_weights
 from llmlib.model import random_model
 from llmlib.sampling import SamplingParams
 

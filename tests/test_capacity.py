@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmlib.capacity import (
+from llmlib.analysis.capacity import (
     RUNTIME_RESERVE,
     allreduce_bytes_per_token,
     kv_bytes_per_token_per_gpu,
@@ -14,10 +14,10 @@ from llmlib.capacity import (
     shard,
     weight_bytes_per_gpu,
 )
+from llmlib.analysis.costs import weight_bytes
+from llmlib.analysis.gpus import GPUS
 from llmlib.cli.costs import main
 from llmlib.config import PRESETS, get_config
-from llmlib.costs import weight_bytes
-from llmlib.gpus import GPUS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -117,7 +117,7 @@ def test_the_split_step_roofline() -> None:
     """step_ms adds the compute ceiling: memory-bound at small batches, compute-bound at large
     ones, and always at least each of its terms; and the batch at which the all-reduces outgrow
     the weight read is where the two times cross."""
-    from llmlib.capacity import comm_over_weights_batch
+    from llmlib.analysis.capacity import comm_over_weights_batch
 
     small = shard("llama-3-70b", "h100-sxm", 8, batch=1, context=1000)
     big = shard("llama-3-70b", "h100-sxm", 8, batch=4096, context=0 + 1)

@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from llmlib.cli.costs import main
-from llmlib.config import ModelConfig, get_config
-from llmlib.costs import (
+from llmlib.analysis.costs import (
     GPUS,
     bytes_per_param,
     costs,
@@ -19,6 +17,8 @@ from llmlib.costs import (
     prefill_flops,
     weight_bytes,
 )
+from llmlib.cli.costs import main
+from llmlib.config import ModelConfig, get_config
 
 
 def close(actual: float, expected: float, rel: float = 0.02) -> bool:

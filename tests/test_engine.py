@@ -184,9 +184,9 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
 
 
 def test_static_decode_step_padding_touches_only_the_scratch_block():
-    from llmlib.attention import sdpa_attention
     from llmlib.engine.graphs import StaticDecodeStep
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+    from llmlib.model.attention import sdpa_attention
 
     torch.manual_seed(0)
     cache = PagedKVCache(1, 6, 2, 4, 8)  # block 5 is the scratch block

@@ -23,7 +23,7 @@ import torch
 import llmlib
 from llmlib.config import ModelConfig
 from llmlib.families import FAMILIES, differences
-from llmlib.kv_cache import KVCache
+from llmlib.model.kv_cache import KVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -247,7 +247,7 @@ def test_sharded_save_loads_to_the_same_logits(saved, family: str) -> None:
 def test_attention_functions_agree_on_windows_caps_and_scales(T: int, S: int, window: int) -> None:
     """The three attention functions with a sliding window, a soft cap and a scale: the tiled one,
     in tiles small enough that whole tiles fall outside the window and are skipped."""
-    from llmlib.attention import causal_mask, naive_attention, sdpa_attention, tiled_attention
+    from llmlib.model.attention import causal_mask, naive_attention, sdpa_attention, tiled_attention
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, n, L, 8, generator=g) for n, L in ((6, T), (2, S), (2, S)))
@@ -323,8 +323,8 @@ def test_engine_generates_what_the_generator_does(saved, family: str) -> None:
 def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
     """Prefill then decode through the static cache, the CUDA-graph cache and the paged cache's
     contract path (``update``): the logits of a full forward pass at every position."""
-    from llmlib.cuda_graphs import StaticKVCache
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+    from llmlib.runtime.static import StaticKVCache
 
     model = llmlib.load_model(saved[family][1], device="cpu")
     cfg = model.config
@@ -517,7 +517,7 @@ def test_hub_style_gemma3_config() -> None:
 def test_shape_table_covers_every_family(saved) -> None:
     """The meta-device model of each family has exactly the shape table's tensors, and the cost
     model's parameter count is the table's sum (biases, q/k norms, post-norms, dense layers)."""
-    from llmlib.costs import param_counts
+    from llmlib.analysis.costs import param_counts
     from llmlib.shapes import numel, param_shapes
 
     for family, (hf, folder) in saved.items():

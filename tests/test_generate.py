@@ -420,7 +420,7 @@ def test_smollm2_stream_equals_generate(smollm2):
 
 
 def test_decode_layout_keeps_values_and_outputs():
-    from llmlib.linear import _in_matvec_layout, use_matvec_layout
+    from llmlib.kernels.linear import _in_matvec_layout, use_matvec_layout
     from llmlib.model import random_model
 
     cfg = ModelConfig(

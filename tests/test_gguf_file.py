@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmlib.checkpoints.gguf_file import GGUFFormatError, read_gguf_file
+from llmlib.gguf_file import GGUFFormatError, read_gguf_file
 
 
 @pytest.mark.model

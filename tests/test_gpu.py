@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmlib.analysis.roofline import measure_bandwidth
 from llmlib.config import ModelConfig
-from llmlib.cuda_graphs import GraphedDecoder, StaticKVCache, compile_step, greedy_decode
 from llmlib.device import Placement, Timer, choose, machine_info, pick_device, pick_dtype, time_fn
-from llmlib.roofline import measure_bandwidth
+from llmlib.runtime.static import GraphedDecoder, StaticKVCache, compile_step, greedy_decode
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

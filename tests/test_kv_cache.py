@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from llmlib.config import ModelConfig
-from llmlib.kv_cache import KVCache, kv_cache_bytes
 from llmlib.model import random_model
+from llmlib.model.kv_cache import KVCache, kv_cache_bytes
 
 CFG = ModelConfig(
     name="tiny",
@@ -39,7 +39,7 @@ def test_size_is_the_formula(dtype):
 
 
 def test_size_matches_costs_module():
-    costs = pytest.importorskip("llmlib.costs")
+    costs = pytest.importorskip("llmlib.analysis.costs")
     cache = KVCache.from_config(CFG, max_len=10, dtype=torch.bfloat16)
     assert cache.bytes_per_token == costs.kv_bytes_per_token(CFG, "bf16")
 

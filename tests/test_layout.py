@@ -87,56 +87,62 @@ def test_no_import_cycles() -> None:
 LAYERS = [
     {
         "llmlib._lazy",
+        "llmlib.kernels",  # the packages' indexes: docstrings only
+        "llmlib.runtime",
+        "llmlib.analysis",
         "llmlib.config",
         "llmlib.families",
         "llmlib.dtypes",
         "llmlib.shapes",
-        "llmlib.gpus",
+        "llmlib.analysis.gpus",
         "llmlib.show",
-        "llmlib.checkpoints.gguf_file",
+        "llmlib.gguf_file",
     },  # the GGUF container: numpy only, read by the tokenizer too
     {
         "llmlib.device",
-        "llmlib.native",  # builds and loads the C++ kernels (llmlib/csrc)
-        "llmlib.costs",
-        "llmlib.capacity",
+        "llmlib.kernels.native",  # builds and loads the C++ kernels (llmlib/csrc)
+        "llmlib.analysis.costs",
+        "llmlib.analysis.capacity",
         "llmlib.tokenizer",
         "llmlib.text",
         "llmlib.prompts",
     },
     {
-        "llmlib.matvec",  # one-row float32 products in C++, where MKL streams slowly
-        "llmlib.linear",
-        "llmlib.embedding",
-        "llmlib.rope",
-        "llmlib.norm",
-        "llmlib.attention",
-        "llmlib.attention_kernel",  # decode attention in C++, read where a cache holds the keys
-        "llmlib.block",
+        "llmlib.kernels.matvec",  # one-row float32 products in C++, where MKL streams slowly
+        "llmlib.kernels.linear",
+        "llmlib.model.embedding",
+        "llmlib.model.rope",
+        "llmlib.model.norm",
+        "llmlib.model.attention",
+        "llmlib.kernels.paged_attention",  # decode attention in C++, read where a cache holds the keys
+        "llmlib.model.block",
         "llmlib.model",
         "llmlib.sampling",
-        "llmlib.kv_cache",
-        "llmlib.roofline",
+        "llmlib.model.kv_cache",
+        "llmlib.analysis.roofline",
         "llmlib.structured",
-        "llmlib.onednn",  # bfloat16 held in oneDNN's blocked layout, reachable when compiled
+        "llmlib.kernels.onednn",  # bfloat16 held in oneDNN's blocked layout, reachable when compiled
         "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
     },
     {
         "llmlib.checkpoints",
         "llmlib.generate",
-        "llmlib.compiled",  # how a decode step (batch 1, or the engine's) is compiled per device
-        "llmlib.vnni",  # int8/int4 matrices re-stored for the engine's integer products
-        "llmlib.cuda_graphs",
+        "llmlib.runtime.compile",  # how a decode step (batch 1, or the engine's) is compiled per device
+        "llmlib.kernels.integer",  # int8/int4 matrices re-stored for the engine's integer products
+        "llmlib.runtime.static",
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
     },
     # the engine, the engine split over ranks, and measurements of the engine
-    {"llmlib.engine", "llmlib.parallel", "llmlib.invariance"},
+    {"llmlib.engine", "llmlib.parallel", "llmlib.analysis.invariance"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 
 
 def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer:
+            return i
     for i, layer in enumerate(LAYERS):
         for top in layer:
             if module == top or (top != "llmlib" and module.startswith(top + ".")):
@@ -171,8 +177,8 @@ def test_modules_are_small_or_say_why() -> None:
 def test_shape_table_is_the_model_and_the_cost_model() -> None:
     """One shape table: the model built on the meta device has exactly its tensors, and the cost
     model's parameter count is its sum, for every preset (MoE included)."""
+    from llmlib.analysis.costs import param_counts
     from llmlib.config import PRESETS
-    from llmlib.costs import param_counts
     from llmlib.model import Transformer
     from llmlib.shapes import numel, param_shapes
 

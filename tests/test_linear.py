@@ -1,4 +1,4 @@
-"""llmlib.linear: the oneDNN-packed copy gives F.linear's numbers, and is never used once stale."""
+"""llmlib.kernels.linear: the oneDNN-packed copy gives F.linear's numbers, and is never used once stale."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlib.linear import (
+from llmlib.kernels.linear import (
     is_packed,
     linear,
     onednn_float32_preferred,

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from llmlib import linear, matvec, native
+from llmlib.kernels import linear, matvec, native
 
 can_build = native.has_avx2() or native.has_avx512()
 needs_kernel = pytest.mark.skipif(not can_build, reason="no AVX2 or AVX-512: no kernel here")
@@ -58,7 +58,7 @@ def test_linear_takes_it_for_one_row_only(forced_on, monkeypatch) -> None:
 
 def test_switched_off_and_refused() -> None:
     code = (
-        "import torch; from llmlib import matvec; assert not matvec.preferred(); "
+        "import torch; from llmlib.kernels import matvec; assert not matvec.preferred(); "
         "assert not matvec.serves(torch.zeros(4, 16))"
     )
     env = {**os.environ, "LLMLIB_MATVEC": "0"}
@@ -76,7 +76,7 @@ def test_errors_name_the_problem(forced_on) -> None:
 
 
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
-    """A decorator from torch.compiler once imported dynamo with llmlib.matvec:
+    """A decorator from torch.compiler once imported dynamo with llmlib.kernels.matvec:
     in every process, which the bench's resident memory then counted as weights."""
     code = (
         "import sys, llmlib; llmlib.load_model(sys.argv[1], 'cpu', 'float32'); "

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlib import norm
-from llmlib.norm import RMSNorm, rms_norm
+from llmlib.model import norm
+from llmlib.model.norm import RMSNorm, rms_norm
 
 needs_kernel = pytest.mark.skipif(
     not norm._fused(), reason="no AVX-512 or no compiler: the fused norm cannot run here"

@@ -127,7 +127,7 @@ def test_attend_mixed_row_equals_contiguous(backend):
     """The engine's path: prefill chunks (one starting mid-sequence) and decode tokens of several
     sequences packed in ONE row; ``attend`` must give each token exactly its own sequence's
     causal attention, with every attention backend."""
-    from llmlib.attention import ATTENTION_BACKENDS
+    from llmlib.model.attention import ATTENTION_BACKENDS
 
     torch.manual_seed(2)
     fn = ATTENTION_BACKENDS[backend]

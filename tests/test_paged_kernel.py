@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlib import attention_kernel as paged_kernel
-from llmlib.attention import naive_attention, sdpa_attention, tiled_attention
 from llmlib.engine import paged_cache
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+from llmlib.kernels import paged_attention as paged_kernel
+from llmlib.model.attention import naive_attention, sdpa_attention, tiled_attention
 
 needs_kernel = pytest.mark.skipif(
     not paged_kernel.available(),
@@ -147,7 +147,7 @@ def test_static_cache_kernel_same_as_masked_attention(dtype, window, b) -> None:
     slots only) equals the layer's attention over every slot under the mask, at each position;
     a multi-token step (prefill) always takes the masked path."""
     from llmlib.config import ModelConfig
-    from llmlib.cuda_graphs import StaticKVCache
+    from llmlib.runtime.static import StaticKVCache
 
     torch.manual_seed(0)
     cfg = ModelConfig(

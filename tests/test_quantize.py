@@ -14,11 +14,12 @@ from gguf import GGMLQuantizationType as T
 from test_gguf import TINY, random_hf_weights, write_gguf
 
 import llmlib
-from llmlib import onednn, vnni
 from llmlib.checkpoints.quant import dequantize
 from llmlib.checkpoints.repack import block_codes, repack_error
 from llmlib.config import ModelConfig
 from llmlib.generate import Generator
+from llmlib.kernels import integer as vnni
+from llmlib.kernels import onednn
 from llmlib.model import random_model
 from llmlib.quantize import (
     GroupCodes,
@@ -243,8 +244,8 @@ def test_dequantize_helpers_agree() -> None:
 
 @_needs_onednn_bf16
 def test_bfloat16_held_once_in_onednn_layout_equals_the_dense_product() -> None:
-    from llmlib.linear import prepare_cpu_weights
-    from llmlib.onednn import OneDNNWeight
+    from llmlib.kernels.linear import prepare_cpu_weights
+    from llmlib.kernels.onednn import OneDNNWeight
 
     cfg = TINY.replace(tie_embeddings=True)
     model = random_model(cfg, "cpu", torch.bfloat16)
@@ -291,11 +292,11 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     from torch._dynamo.utils import counters
 
     from llmlib.bench.formats import parse_formats
-    from llmlib.compiled import plain_bfloat16
     from llmlib.generate import decode_step
-    from llmlib.kv_cache import KVCache
-    from llmlib.linear import prepare_cpu_weights
-    from llmlib.onednn import OneDNNWeight
+    from llmlib.kernels.linear import prepare_cpu_weights
+    from llmlib.kernels.onednn import OneDNNWeight
+    from llmlib.model.kv_cache import KVCache
+    from llmlib.runtime.compile import plain_bfloat16
 
     cfg = TINY.replace(vocab_size=300)
     model = random_model(cfg, "cpu", torch.bfloat16)
@@ -317,13 +318,13 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     # a copy names its own matrix (the compiled operator finds matrices by that name)
     import copy
 
-    from llmlib.onednn import _ONEDNN_WEIGHTS
+    from llmlib.kernels.onednn import _ONEDNN_WEIGHTS
 
     w = model.layers[0].ffn.w_gate_up.weight
     w2 = copy.copy(w)
     assert w.handle != w2.handle and _ONEDNN_WEIGHTS[w2.handle] is w2
     assert parse_formats("float32,bfloat16+compile") == [("float32", False), ("bfloat16", True)]
-    # the Generator's CPU compile (llmlib.compiled) hands the graph plain matrices to freeze
+    # the Generator's CPU compile (llmlib.runtime.compile) hands the graph plain matrices to freeze
     dense = {n: m.weight.dequantize() for n, m in weight_matrices(model).items() if n != "embed"}
     assert plain_bfloat16(model) == len(dense) > 0
     for name, mod in weight_matrices(model).items():
@@ -334,12 +335,12 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
 
 def test_generator_compiles_cpu_int8_frozen() -> None:
     """On the CPU a quantized (or bfloat16) model's decode step is compiled frozen and autotuned
-    (:mod:`llmlib.compiled`): one graph, the eager tokens; float32 keeps inductor's defaults.
+    (:mod:`llmlib.runtime.compile`): one graph, the eager tokens; float32 keeps inductor's defaults.
     (bfloat16 takes the same path; compiling it too would double this test's time.)"""
     from torch._dynamo.utils import counters
 
-    from llmlib.compiled import compile_options
-    from llmlib.linear import prepare_cpu_weights
+    from llmlib.kernels.linear import prepare_cpu_weights
+    from llmlib.runtime.compile import compile_options
 
     tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
     model = random_model(TINY.replace(vocab_size=tok.vocab_size), "cpu", torch.bfloat16, seed=1)
@@ -362,14 +363,14 @@ def test_generator_compiles_cpu_int8_frozen() -> None:
 
 
 def test_two_compiled_generators_keep_their_own_graphs() -> None:
-    """A compiled step skips dynamo's guards on modules (llmlib.compiled.own_step): a second
+    """A compiled step skips dynamo's guards on modules (llmlib.runtime.compile.own_step): a second
     model of the same shape, compiled in the same process, still runs its own frozen weights,
     not the first's graph, nor the first's codes out of inductor's cache (this tiny model's
     widths leave some int8 matrices to inductor's kernels: codes_left_to_inductor)."""
-    from llmlib.compiled import codes_left_to_inductor, compile_decode
     from llmlib.generate import decode_step
-    from llmlib.kv_cache import KVCache
-    from llmlib.linear import prepare_cpu_weights
+    from llmlib.kernels.linear import prepare_cpu_weights
+    from llmlib.model.kv_cache import KVCache
+    from llmlib.runtime.compile import codes_left_to_inductor, compile_decode
 
     cfg = TINY.replace(vocab_size=300)
     models = []

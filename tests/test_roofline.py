@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from llmlib.analysis.costs import GPUS
+from llmlib.analysis.roofline import (
+    Roof,
+    crossover_batch,
+    decode,
+    measure_machine,
+    phase,
+    predict,
+    prefill,
+)
 from llmlib.config import ModelConfig, get_config
-from llmlib.costs import GPUS
-from llmlib.roofline import Roof, crossover_batch, decode, measure_machine, phase, predict, prefill
 
 # vocab 100, d_model 8, 2 layers, 4 query heads and 2 KV heads of head_dim 2, FFN 16, untied
 TINY = ModelConfig(
@@ -98,7 +106,7 @@ def test_crossover_batch_flips_the_bound() -> None:
 
 
 def test_llama70b_floor_matches_costs() -> None:
-    from llmlib.costs import costs
+    from llmlib.analysis.costs import costs
 
     p = predict(decode("llama-3-70b", context=7), Roof.from_gpu("h100-sxm"))
     assert p.bound == "memory"
@@ -159,8 +167,8 @@ def test_last_only_prefill_skips_the_lm_head_rows() -> None:
 def test_bench_pieces_on_a_tiny_model() -> None:
     import torch
 
+    from llmlib.analysis.costs import param_counts, pass_weight_bytes
     from llmlib.bench import roofline as bench
-    from llmlib.costs import param_counts, pass_weight_bytes
     from llmlib.model import random_model
 
     cfg = TINY.replace(max_seq_len=64)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmlib.config import ModelConfig, RopeScaling
-from llmlib.rope import (
+from llmlib.model.rope import (
     RotaryTables,
     apply_rope,
     apply_rope_interleaved,

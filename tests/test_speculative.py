@@ -12,8 +12,8 @@ import torch
 import llmlib
 from llmlib.config import ModelConfig
 from llmlib.generate import Generator
-from llmlib.kv_cache import KVCache
 from llmlib.model import random_model
+from llmlib.model.kv_cache import KVCache
 from llmlib.sampling import SamplingParams
 from llmlib.speculative import (
     NgramProposer,

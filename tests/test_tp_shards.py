@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmlib.capacity import weight_bytes_per_gpu
+from llmlib.analysis.capacity import weight_bytes_per_gpu
 from llmlib.checkpoints.build import read_checkpoint
 from llmlib.checkpoints.lazy import LazyTensor, read_checkpoint_lazy
 from llmlib.checkpoints.save import save_hf_folder
@@ -147,7 +147,7 @@ def test_shards_come_from_the_shape_table_and_cover_the_model() -> None:
 
 
 def test_bytes_per_rank_match_the_cost_model() -> None:
-    """The engine's shards and llmlib.capacity's arithmetic are the same split: Llama-3-70B's
+    """The engine's shards and llmlib.analysis.capacity's arithmetic are the same split: Llama-3-70B's
     rank on 8 GPUs, from the shape table, is weight_bytes_per_gpu to within the vocabulary
     padding."""
     cfg = get_config("llama-3-70b")

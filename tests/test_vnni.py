@@ -1,4 +1,4 @@
-"""The VNNI int8/int4 kernels (llmlib.vnni): layouts, products against the same arithmetic in
+"""The VNNI int8/int4 kernels (llmlib.kernels.integer): layouts, products against the same arithmetic in
 float64, the rows of a tied table, and a model re-stored for the batching engine."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 from test_gguf import TINY
 
-from llmlib import native, vnni
 from llmlib.engine.load import for_batches
+from llmlib.kernels import integer as vnni
+from llmlib.kernels import native
 from llmlib.model import random_model
 from llmlib.quantize import (
     Int4Weight,

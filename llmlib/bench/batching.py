@@ -6,7 +6,7 @@ work):
 
 * sequential — the :class:`~llmlib.generate.Generator`, one request at a time (batch 1);
 * static — fixed batches of ``--static-batch`` requests in arrival order, prompts left-padded to the
-  longest, a static KV cache (:class:`~llmlib.kv_cache.KVCache`) sized for the longest prompt plus
+  longest, a static KV cache (:class:`~llmlib.model.kv_cache.KVCache`) sized for the longest prompt plus
   the longest output, every row computed until the batch's longest request is done;
 * continuous — :class:`~llmlib.engine.LLM` over the paged cache, at most ``--max-num-seqs`` at once.
 
@@ -35,7 +35,7 @@ import torch
 from llmlib.bench import save_json
 from llmlib.bench._workload import Request, make_requests, run_continuous
 from llmlib.bench.invariance import cost_summary
-from llmlib.kv_cache import KVCache
+from llmlib.model.kv_cache import KVCache
 
 # ---- static batching ------------------------------------------------------------------------------
 

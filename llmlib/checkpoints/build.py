@@ -23,7 +23,7 @@ import torch
 from llmlib.config import ModelConfig
 from llmlib.device import choose
 from llmlib.dtypes import QUANTIZATIONS
-from llmlib.linear import prepare_cpu_weights, use_matvec_layout
+from llmlib.kernels.linear import prepare_cpu_weights, use_matvec_layout
 from llmlib.model import Transformer
 from llmlib.quantize import quantize_model
 from llmlib.shapes import param_shapes
@@ -167,7 +167,7 @@ def build_model(
         use_matvec_layout(model)  # the matrices left dense (a gguf file's float ones)
         return model.eval()
     model.weight_format = str(place.dtype).removeprefix("torch.")
-    prepare_cpu_weights(model)  # CPU only: decode and batch layouts (llmlib.linear)
+    prepare_cpu_weights(model)  # CPU only: decode and batch layouts (llmlib.kernels.linear)
     return model.eval()
 
 

@@ -5,7 +5,7 @@ shape, its tokenizer, its chat template) followed by a table of tensors and thei
 aligned so the whole file can be memory-mapped. :mod:`llmlib.gguf_file` parses that container (it
 memory-maps the file and never unpickles anything; it is checked against the ``gguf`` package's
 ``GGUFReader`` in the tests, and parses a large vocabulary far sooner than it); the numbers
-themselves are decoded by :mod:`llmlib.quant`, our own dequantizer.
+themselves are decoded by :mod:`llmlib.checkpoints.quant`, our own dequantizer.
 
 Three things differ from a Hugging Face checkpoint, and :func:`read_gguf` undoes each:
 
@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmlib.checkpoints.gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 from llmlib.checkpoints.quant import block_format, dequantize
 from llmlib.config import ModelConfig, RopeScaling
-from llmlib.rope import interleaved_to_split_half_perm, permute_heads
+from llmlib.gguf_file import GGUFFile, GGUFFormatError, TensorInfo
+from llmlib.model.rope import interleaved_to_split_half_perm, permute_heads
 
 #: GGUF tensor names (after ``blk.N.``) and their llmlib names (after ``layers.N.``).
 TENSOR_NAMES: dict[str, str] = {
@@ -75,7 +75,7 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's row permutation of a query or key projection ``[n_heads * hd, D]``.
 
     llama.cpp rotates adjacent pairs; llmlib rotates split halves. Chapter 4's
-    :func:`llmlib.rope.permute_heads` with :func:`llmlib.rope.interleaved_to_split_half_perm`
+    :func:`llmlib.model.rope.permute_heads` with :func:`llmlib.model.rope.interleaved_to_split_half_perm`
     turns one layout into the other, head by head. (For keys, ``n_heads`` is the number of KV heads.)
     """
     hd = w.shape[0] // n_heads

@@ -180,7 +180,7 @@ def lazy_safetensors(file: Path) -> dict[str, LazyTensor]:
 def gguf_slice(reader: Any, info: Any, index: Index) -> torch.Tensor:
     """Dequantize ``index`` of one GGUF tensor, reading only its rows (and whole blocks of them).
 
-    ``info`` is the tensor's :class:`~llmlib.checkpoints.gguf_file.TensorInfo`. Leading
+    ``info`` is the tensor's :class:`~llmlib.gguf_file.TensorInfo`. Leading
     dimensions are indexed on the memory-mapped bytes (no copy); the last dimension's range is
     widened to whole quantization blocks, decoded, and trimmed.
     """

@@ -1,4 +1,4 @@
-"""``llmlib costs``: what a model costs to run, as a table or JSON (the arithmetic is in :mod:`llmlib.costs`)."""
+"""``llmlib costs``: what a model costs to run, as a table or JSON (:mod:`llmlib.analysis.costs`)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from llmlib.capacity import Sharding, shard
+from llmlib.analysis.capacity import Sharding, shard
+from llmlib.analysis.costs import Costs, costs
+from llmlib.analysis.gpus import GPUS
 from llmlib.config import PRESETS, ModelConfig, get_config
-from llmlib.costs import Costs, costs
 from llmlib.dtypes import FLOAT_NAMES, NAMES
-from llmlib.gpus import GPUS
 
 
 def _fmt_bytes(n: float) -> str:
@@ -81,7 +81,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def format_sharding(s: Sharding) -> str:
-    """A readable report of :func:`llmlib.capacity.shard`."""
+    """A readable report of :func:`llmlib.analysis.capacity.shard`."""
     fit = "fits" if s.fits else "does NOT fit"
     rows = [
         ("", ""),

@@ -9,7 +9,7 @@ two), and :class:`PagedDecodeGraphs` captures one graph per shape the first time
 
 On the CPU the same fixed-shape steps run eagerly (nothing to capture), which is what the tests
 exercise, or compiled (``LLM(compile=True)``): one graph with symbolic sizes serves every bucket
-(:func:`llmlib.compiled.compile_engine_step`), so inductor fuses each layer's small operators and,
+(:func:`llmlib.runtime.compile.compile_engine_step`), so inductor fuses each layer's small operators and,
 for bfloat16 or quantized weights, picks its own matrix kernels, as it does for the batch-1
 decode step.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from llmlib.attention import AttentionFn
 from llmlib.engine.paged_cache import DecodeGroup, PagedKVCache, SeqChunk, StepLayout, paged_attend
+from llmlib.model.attention import AttentionFn
 
 
 class StaticDecodeStep:

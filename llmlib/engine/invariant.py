@@ -7,14 +7,14 @@ from the number of rows (the step's token count), and attention splits the keys 
 size depends on the chunk's length (``F.scaled_dot_product_attention``) or pads a decode group to
 its longest member. So the same request run alone, in a batch, with its prompt chunked another
 way, recomputed after a preemption, or started from cached prefix blocks can produce different
-logits (chapter 7 measures by how much, :mod:`llmlib.invariance`).
+logits (chapter 7 measures by how much, :mod:`llmlib.analysis.invariance`).
 
 ``LLM(..., batch_invariant=True)`` fixes every reduction's order independently of the batch, the
 recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant
 mode:
 
 * weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded
-  (:func:`llmlib.linear.fixed_row_tiles`): the kernel always sees the same shape, and row ``i``
+  (:func:`llmlib.kernels.linear.fixed_row_tiles`): the kernel always sees the same shape, and row ``i``
   of a product depends only on row ``i`` of its input;
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
 * attention (:class:`InvariantStep`) cuts every sequence's queries into tiles of ``Q_TILE``
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlib.attention import AttentionFn, soft_cap
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
+from llmlib.model.attention import AttentionFn, soft_cap
 
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
 ROW_TILE = 32

@@ -47,13 +47,13 @@ class LLM:
     sequences need). ``max_num_batched_tokens`` is the per-step token budget.
 
     ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
-    as a replay of a CUDA graph (:class:`llmlib.cuda_graphs.PagedDecodeGraphs`), captured per
+    as a replay of a CUDA graph (:class:`llmlib.engine.graphs.PagedDecodeGraphs`), captured per
     power-of-two batch size and history length the first time one is needed, or ahead of time with
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
 
     ``compile=True`` (CPU) runs those fixed-shape steps through one graph for every batch size
-    (:func:`llmlib.compiled.compile_engine_step`), compiled at start (``llm.compile_s``).
+    (:func:`llmlib.runtime.compile.compile_engine_step`), compiled at start (``llm.compile_s``).
 
     ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
     process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
@@ -85,7 +85,7 @@ class LLM:
         tp_options: Any = None,
         speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
         batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
-        compile: bool = False,  # torch.compile the CPU decode steps (llmlib.compiled)
+        compile: bool = False,  # torch.compile the CPU decode steps (llmlib.runtime.compile)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         #: seconds the first compiled decode step took (compile=True), else None

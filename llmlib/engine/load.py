@@ -46,11 +46,11 @@ def load_engine_model(
 
 
 def for_batches(model: torch.nn.Module) -> torch.nn.Module:
-    """Store a CPU model's int8/int4 matrices for many-row products (:func:`llmlib.vnni.repack_model`:
+    """Store a CPU model's int8/int4 matrices for many-row products (:func:`llmlib.kernels.integer.repack_model`:
     integer dot products, where this CPU has them); a no-op for float models and other devices.
     Only models the engine quantized or loaded itself: a model handed in already quantized may
     be shared with an eager batch-1 Generator, which reads PyTorch's layouts as the reference."""
-    from llmlib.vnni import repack_model
+    from llmlib.kernels.integer import repack_model
 
     repack_model(model)
     return model

@@ -11,7 +11,7 @@ The model never sees any of this. Each forward pass gets a :class:`PagedStep`, b
 chunks of sequences scheduled in it. It implements the cache contract two ways:
 
 * ``k_all, v_all, mask = step.update(layer, k, v, positions)`` — the contract every cache has
-  (see :class:`llmlib.attention.Attention`): scatter the new keys and values into their slots,
+  (see :class:`llmlib.model.attention.Attention`): scatter the new keys and values into their slots,
   gather each row's blocks, and return a mask saying which query may see which key (the same
   sequence, at or before its position). Several sequences may share a row back to back; the mask
   is then block-diagonal. Simple, and exactly attention over a contiguous cache.
@@ -19,7 +19,7 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   each sequence's tokens sit, so it computes attention sequence by sequence: a prefill chunk
   attends over its own sequence's keys (causal), and the single-token (decode) chunks go through
   batched calls, on a CPU one kernel that reads each sequence's blocks in place
-  (:mod:`llmlib.attention_kernel`). So every token of a step, prefill or decode, shares one row.
+  (:mod:`llmlib.kernels.paged_attention`). So every token of a step, prefill or decode, shares one row.
 
 A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method; the
 masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from llmlib.attention import AttentionFn
-from llmlib.attention_kernel import decode_attention, fused_options, serves_pool
+from llmlib.kernels.paged_attention import decode_attention, fused_options, serves_pool
+from llmlib.model.attention import AttentionFn
 from llmlib.shapes import kv_cache_bytes
 
 
@@ -70,7 +70,9 @@ class PagedKVCache:
         # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
-        self.kernel = serves_pool(self.k[0])  # decode by llmlib.attention_kernel (False: not)
+        self.kernel = serves_pool(
+            self.k[0]
+        )  # decode by llmlib.kernels.paged_attention (False: not)
 
     @property
     def bytes_per_block(self) -> int:
@@ -193,7 +195,7 @@ def paged_attend(
     """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
     sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
 
-    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.attention`'s functions (``mask=None``:
+    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.model.attention`'s functions (``mask=None``:
     causal, aligned to the end). A multi-token chunk is one call over its sequence's keys; the
     single-token chunks are the kernel's one call or batched calls over their gathered blocks,
     masked where a row's keys end early (or, with a sliding ``window``, begin late).

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmlib.attention import AttendingCache
-from llmlib.compiled import compile_engine_step, engine_forward
 from llmlib.engine.graphs import PagedDecodeGraphs
 from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.sequence import ScheduledChunk, Sequence
 from llmlib.model import Transformer
+from llmlib.model.attention import AttendingCache
+from llmlib.runtime.compile import compile_engine_step, engine_forward
 from llmlib.sampling import sample
 from llmlib.speculative.verify import accept_greedy, accept_sampled, distributions
 from llmlib.structured import allowed
@@ -130,7 +130,7 @@ class ModelRunner:
         tiles: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.batch_invariant:
             from llmlib.engine.invariant import ROW_TILE, InvariantStep
-            from llmlib.linear import fixed_row_tiles
+            from llmlib.kernels.linear import fixed_row_tiles
 
             step = InvariantStep(self.cache, [chunks])
             tiles = fixed_row_tiles(ROW_TILE)

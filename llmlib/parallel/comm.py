@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmlib.embedding import TokenEmbedding
+from llmlib.model.embedding import TokenEmbedding
 
 
 class CollectiveError(RuntimeError):

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from llmlib.capacity import check_tp, kv_heads_per_gpu
+from llmlib.analysis.capacity import check_tp, kv_heads_per_gpu
 from llmlib.config import ModelConfig
 from llmlib.shapes import param_shapes
 
@@ -56,7 +56,7 @@ ROWS, COLS, WHOLE, FIRST_RANK = "rows", "cols", "whole", "first_rank"
 
 def check_engine_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse, with the reason, a split the engine cannot run; the same rules as the cost model
-    (:func:`llmlib.capacity.check_tp`: whole query heads per rank, KV heads split or replicated)
+    (:func:`llmlib.analysis.capacity.check_tp`: whole query heads per rank, KV heads split or replicated)
     plus whole FFN and expert columns."""
     check_tp(cfg, tp)
     if cfg.ffn_dim % tp:

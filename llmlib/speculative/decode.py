@@ -8,7 +8,7 @@ slower in time only by what the proposer and the longer pass cost.
 
 Rollback: the verification pass stores keys and values for all k + 1 positions; the cache's
 ``length`` is then cut back to the tokens kept. Nothing past ``length`` is ever read: the next
-pass writes its own keys there before attending (:meth:`llmlib.kv_cache.KVCache.update`).
+pass writes its own keys there before attending (:meth:`llmlib.model.kv_cache.KVCache.update`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from llmlib.kv_cache import KVCache
+from llmlib.model.kv_cache import KVCache
 from llmlib.sampling import SamplingParams, draw
 from llmlib.speculative.config import SpeculativeConfig
 from llmlib.speculative.proposers import Chooser, Proposer, make_proposer

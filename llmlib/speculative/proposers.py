@@ -5,7 +5,7 @@
   copies from its context (summaries, edits, code rewrites).
 * :class:`EarlyExitProposer` — the target's own first L layers, final norm and LM head (LayerSkip's
   self-speculation). Its keys and values for layers ``0..L-1`` are the target's own, so it reads
-  them from the target's cache through a view (:meth:`llmlib.kv_cache.KVCache.layer_view`)
+  them from the target's cache through a view (:meth:`llmlib.model.kv_cache.KVCache.layer_view`)
   instead of keeping a second cache: no extra memory, no second prefill.
 * :class:`DraftModelProposer` — any smaller model with the same vocabulary, with a cache of its own.
 
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from llmlib.kv_cache import KVCache
+from llmlib.model.kv_cache import KVCache
 
 #: Draft sampling: one row of logits ``[V]`` -> (token, the distribution it came from or None).
 Chooser = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]

@@ -247,7 +247,7 @@ def load_tiktoken(
 def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """Read the tokenizer stored in a GGUF model file's metadata (llama.cpp's "gpt2" BPE type).
 
-    The header is parsed by :mod:`llmlib.checkpoints.gguf_file` (a fraction of a second for SmolLM2's 49,152
+    The header is parsed by :mod:`llmlib.gguf_file` (a fraction of a second for SmolLM2's 49,152
     tokens and 48,900 merges). Tokens are byte-level strings like in tokenizer.json; control and
     user-defined tokens (token_type 3 and 4) are the special tokens. The parsed fields are cached
     per file, since notebooks and tests open the same file many times.
@@ -274,7 +274,7 @@ def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
-    from llmlib.checkpoints.gguf_file import GGUFFormatError, read_gguf_file
+    from llmlib.gguf_file import GGUFFormatError, read_gguf_file
 
     try:
         meta = read_gguf_file(path).metadata

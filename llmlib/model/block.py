@@ -5,7 +5,7 @@ normalised copy of it and *adds* its result. That is why a 30-layer model trains
 the block is two lines in :meth:`Block.forward`.
 
 * :class:`RMSNorm` — rescale each token vector to unit root-mean-square, then a learned gain
-  (defined in :mod:`llmlib.norm`, which attention uses too).
+  (defined in :mod:`llmlib.model.norm`, which attention uses too).
 * :class:`FeedForward` — SwiGLU (Shazeer, GLU variants): ``w_down(silu(w_gate x) * w_up x)``;
   Gemma's GeGLU is the same with a tanh-approximated GELU as the gate.
 * :class:`MoEFeedForward` — Mixtral-style mixture of experts: a router scores ``E`` SwiGLU experts
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.attention import AttendingCache, Attention, KVCacheLike, register_fused_linear
 from llmlib.config import ModelConfig
-from llmlib.linear import linear
-from llmlib.norm import RMSNorm
+from llmlib.kernels.linear import linear
+from llmlib.model.attention import AttendingCache, Attention, KVCacheLike, register_fused_linear
+from llmlib.model.norm import RMSNorm
 
 __all__ = ["Block", "FeedForward", "MoEFeedForward", "PostNormBlock", "RMSNorm", "make_block"]
 

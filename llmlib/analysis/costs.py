@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from llmlib.analysis.gpus import GPU, GPUS, get_gpu  # noqa: F401 - GPUS re-exported: a cost is per GPU
 from llmlib.config import ModelConfig, get_config
 from llmlib.dtypes import bytes_per_element, canonical, is_float
-from llmlib.gpus import GPU, GPUS, get_gpu  # noqa: F401 - GPUS re-exported: a cost is per GPU
 from llmlib.shapes import kv_cache_bytes, numel, param_shapes
 
 

@@ -3,7 +3,7 @@
 
 On a CPU with AMX or AVX512-BF16, oneDNN (PyTorch's CPU kernel library) multiplies a bfloat16
 matrix several times faster once it has been re-ordered into its own blocked layout, at one row
-(batch-1 decode) and at many (prefill, batches). :func:`llmlib.linear.pack_bfloat16` swaps each
+(batch-1 decode) and at many (prefill, batches). :func:`llmlib.kernels.linear.pack_bfloat16` swaps each
 bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re-ordered.
 """
 
@@ -39,7 +39,7 @@ class OneDNNWeight(PackedWeight):
     ``torch.compile`` makes of frozen CPU weights): AMX/AVX512-BF16 multiply it several times
     faster than a plain strided bfloat16 matrix, at one row or many. Not quantized: the same
     numbers, re-ordered once. float32 is held this way on CPUs where MKL, PyTorch's float32
-    library, is slow (:func:`llmlib.linear.onednn_float32_preferred`).
+    library, is slow (:func:`llmlib.kernels.linear.onednn_float32_preferred`).
 
     Inside ``torch.compile`` the product is the custom operator ``llmlib::onednn_linear``, which
     names the matrix by a number: the blocked tensor is opaque (no strides, no storage), so it

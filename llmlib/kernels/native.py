@@ -1,10 +1,10 @@
-"""The few C++ kernels llmlib compiles for this CPU (``llmlib/csrc``): built once per machine by
+"""The few C++ kernels llmlib compiles for this CPU (``llmlib/kernels/csrc``): built once per machine by
 ``torch.utils.cpp_extension`` into its cache, then loaded as PyTorch operators.
 
-Four use this: :mod:`llmlib.vnni` (int8/int4 products by integer dot products),
-:mod:`llmlib.attention_kernel` (decode attention read straight out of a KV cache),
-:mod:`llmlib.matvec` (one-row float32 products where MKL is slow) and
-:func:`llmlib.norm.rms_norm` (RMSNorm in one pass per row). The first three are built for AVX-512
+Four use this: :mod:`llmlib.kernels.integer` (int8/int4 products by integer dot products),
+:mod:`llmlib.kernels.paged_attention` (decode attention read straight out of a KV cache),
+:mod:`llmlib.kernels.matvec` (one-row float32 products where MKL is slow) and
+:func:`llmlib.model.norm.rms_norm` (RMSNorm in one pass per row). The first three are built for AVX-512
 or, on CPUs without it, for AVX2; the last needs AVX-512. All are optional: where the CPU lacks
 the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
 callers keep PyTorch's operators. ``LLMLIB_NATIVE_ISA=avx2`` builds and runs the AVX2 variants

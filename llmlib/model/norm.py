@@ -1,8 +1,8 @@
 """RMSNorm: rescale each vector to unit root-mean-square, then a learned gain per channel.
 
 It lives in its own module because two layers use it: the block normalises the residual stream
-before each sub-layer (:mod:`llmlib.block`), and some families' attention normalises each head's
-queries and keys (Qwen3, Gemma 3: :mod:`llmlib.attention`). ``llmlib.block.RMSNorm`` is this class.
+before each sub-layer (:mod:`llmlib.model.block`), and some families' attention normalises each head's
+queries and keys (Qwen3, Gemma 3: :mod:`llmlib.model.attention`). ``llmlib.model.block.RMSNorm`` is this class.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib import native
+from llmlib.kernels import native
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, weight.shape, weight, eps)``: on the CPU, outside ``torch.compile`` and
-    autograd, one fused pass per row in C++ (``llmlib/csrc/rms_norm.cpp``), since PyTorch's CPU
+    autograd, one fused pass per row in C++ (``llmlib/kernels/csrc/rms_norm.cpp``), since PyTorch's CPU
     version is a chain of separate operators; the same arithmetic, float32 inside, one rounding at
     the end. A compiled graph fuses the plain version itself. ``LLMLIB_FUSED_NORM=0`` turns the
     kernel off."""

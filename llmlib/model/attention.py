@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlib.config import ModelConfig
-from llmlib.linear import linear
-from llmlib.norm import RMSNorm
-from llmlib.rope import apply_rope
+from llmlib.kernels.linear import linear
+from llmlib.model.norm import RMSNorm
+from llmlib.model.rope import apply_rope
 
 # ---- the three attention functions ---------------------------------------------------------
 
@@ -350,7 +350,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """x [B, T, D] -> q [B, H, T, hd], k and v [B, Hkv, T, hd], with RoPE applied to q and k.
 
-        ``cos``/``sin`` are [B, 1, T, hd] as :class:`llmlib.rope.RotaryTables` gathers them.
+        ``cos``/``sin`` are [B, 1, T, hd] as :class:`llmlib.model.rope.RotaryTables` gathers them.
         """
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim

@@ -4,7 +4,7 @@
 names are the contract every loader produces (:func:`llmlib.shapes.param_shapes`), with Q and K in the
 Hugging Face "split-half" RoPE layout. The KV cache plugs in through the ``cache`` argument: each
 attention layer calls ``cache.update(layer, k_new, v_new, positions)`` and attends over what comes
-back (the contract is :class:`llmlib.attention.KVCacheLike`). Without a cache the forward pass is
+back (the contract is :class:`llmlib.model.attention.KVCacheLike`). Without a cache the forward pass is
 plain causal.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlib.attention import ATTENTION_BACKENDS, AttendingCache, KVCacheLike
-from llmlib.block import RMSNorm, make_block
 from llmlib.config import ModelConfig
 from llmlib.device import choose
-from llmlib.embedding import TokenEmbedding, unembed
-from llmlib.rope import RotaryTables
+from llmlib.model.attention import ATTENTION_BACKENDS, AttendingCache, KVCacheLike
+from llmlib.model.block import RMSNorm, make_block
+from llmlib.model.embedding import TokenEmbedding, unembed
+from llmlib.model.rope import RotaryTables
 
 
 class Transformer(nn.Module):
@@ -141,7 +141,7 @@ def _contiguous_state(
     module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
 ) -> None:
     # On the CPU the loader re-stores the weight matrices for faster decoding: some column-major,
-    # all inside one shared buffer (llmlib.linear.use_matvec_layout); and the fused q/k/v and
+    # all inside one shared buffer (llmlib.kernels.linear.use_matvec_layout); and the fused q/k/v and
     # gate/up matrices are split on the way out, as views. Hand out contiguous tensors that own
     # their memory instead, so a state dict saves with safetensors as it is (which refuses both
     # non-contiguous and memory-sharing tensors). keep_vars=True still gets the Parameters.

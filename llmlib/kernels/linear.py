@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib import matvec
+from llmlib.kernels import matvec
 
 _ATTR = "_llmlib_packed"  # (packed weight, source data_ptr, source version), set on the Parameter
 #: rows per product in batch-invariant mode (:func:`fixed_row_tiles`); None: one product for all
@@ -102,7 +102,7 @@ def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> t
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     if x.numel() == x.shape[-1] and x.dtype == torch.float32 and matvec.serves(weight):
-        y = matvec.matvec(x, weight)  # one row: where MKL streams slowly (llmlib.matvec)
+        y = matvec.matvec(x, weight)  # one row: where MKL streams slowly (llmlib.kernels.matvec)
         return y if bias is None else y + bias
     packed = getattr(weight, _ATTR, None)
     if packed is not None and x.numel() > x.shape[-1] and x.dtype == torch.float32:
@@ -166,7 +166,7 @@ def onednn_float32_preferred() -> bool:
     verification cost shows it); oneDNN's own kernels do not. One row (batch-1 decode) keeps
     the plain matrix, which streams faster. ``LLMLIB_ONEDNN_FLOAT32=1``/``0`` forces it."""
     from llmlib.device import mkl_tuned
-    from llmlib.onednn import available
+    from llmlib.kernels.onednn import available
 
     forced = os.environ.get("LLMLIB_ONEDNN_FLOAT32")
     wanted = forced != "0" if forced in ("0", "1") else not mkl_tuned()
@@ -194,7 +194,7 @@ def prepare_cpu_weights(model: nn.Module) -> None:
 
 def pack_bfloat16(model: nn.Module) -> int:
     """Hold every bfloat16 weight matrix of a CPU model only in oneDNN's blocked layout
-    (:class:`llmlib.onednn.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
+    (:class:`llmlib.kernels.onednn.OneDNNWeight`): one copy, and AMX multiplies it at one row as well
     as at many. A tied embedding table stays a plain matrix, since the lookup reads its rows.
     Where oneDNN has no bfloat16 path on this CPU (AVX2 only), nothing changes and 0 comes back:
     the matrices stay plain bfloat16 tensors."""
@@ -204,7 +204,7 @@ def pack_bfloat16(model: nn.Module) -> int:
 def pack_onednn(model: nn.Module, dtype: torch.dtype) -> int:
     """Hold every ``dtype`` weight matrix of a CPU model only in oneDNN's blocked layout (see
     :func:`pack_bfloat16`); how many were re-stored, 0 where oneDNN cannot here."""
-    from llmlib.onednn import OneDNNWeight, available
+    from llmlib.kernels.onednn import OneDNNWeight, available
     from llmlib.quantize import weight_matrices
 
     if not available(dtype):
@@ -231,7 +231,7 @@ def matvec_layout_is_column_major(shape: torch.Size | tuple[int, ...]) -> bool:
     on the machines this book was written on, gate/up and the LM head streamed faster column-major
     and the down projection row-major.
     So: make the longer dimension the contiguous one (ties: column-major, slightly faster for wo).
-    Where llmlib's own kernel takes one-row products instead (:mod:`llmlib.matvec`), every
+    Where llmlib's own kernel takes one-row products instead (:mod:`llmlib.kernels.matvec`), every
     matrix stays row-major, the layout it streams.
     """
     if matvec.preferred():
@@ -283,7 +283,7 @@ def use_matvec_layout(model: torch.nn.Module, huge_pages: bool = True) -> int:
     dtypes = {p.dtype for p in mats}
     on_cpu = all(p.device.type == "cpu" for p in mats)
     # done already: every layout right and, where one buffer can hold them all, in one buffer
-    # (a layout that needs no change, as for llmlib.matvec, still gets the huge pages, once)
+    # (a layout that needs no change, as for llmlib.kernels.matvec, still gets the huge pages, once)
     one = on_cpu and len(dtypes) == 1
     if all(_in_matvec_layout(p) for p in mats) and (not one or _shares_storage(mats)):
         return 0

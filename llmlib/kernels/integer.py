@@ -14,10 +14,10 @@ float32 beside each format's speed.
 
 Where it is used: :func:`repack_model`, which :class:`llmlib.LLM` applies to the int8/int4/gguf
 models it loads on a CPU, and which a compiled batch-1 :class:`~llmlib.generate.Generator`
-applies to its model (:func:`llmlib.compiled.compile_decode`: the graph calls the kernels as
+applies to its model (:func:`llmlib.runtime.compile.compile_decode`: the graph calls the kernels as
 extern operators). The eager Generator keeps PyTorch's weight-only layouts, the reference.
 
-The kernels are C++ (``llmlib/csrc/vnni.cpp``), compiled once per machine by
+The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), compiled once per machine by
 ``torch.utils.cpp_extension`` into its cache and loaded as the operators
 ``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear``. They run where all of this holds: a CPU
 with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler, output widths
@@ -39,8 +39,8 @@ import os
 
 import torch
 
-from llmlib import native
-from llmlib.native import AVX512, cpu_flags
+from llmlib.kernels import native
+from llmlib.kernels.native import AVX512, cpu_flags
 from llmlib.quantize import ChannelCodes, GroupCodes, PackedWeight
 
 TILE = 64  # output channels per tile
@@ -154,7 +154,7 @@ class _VnniWeight(PackedWeight):
     def __init__(self, shape: tuple[int, int]) -> None:
         if not available():
             raise RuntimeError(
-                "the VNNI kernels cannot run here (llmlib.vnni.available() is False)"
+                "the VNNI kernels cannot run here (llmlib.kernels.integer.available() is False)"
             )
         super().__init__(shape)
 

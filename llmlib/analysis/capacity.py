@@ -8,7 +8,7 @@ down projection) the partial sums of every GPU are added together with an all-re
 layer, each of one activation vector per token.
 
 This module is arithmetic on a :class:`~llmlib.config.ModelConfig` and a GPU's datasheet
-(:mod:`llmlib.gpus`), like :mod:`llmlib.costs`, with three stated conventions:
+(:mod:`llmlib.analysis.gpus`), like :mod:`llmlib.analysis.costs`, with three stated conventions:
 
 * **Runtime reserve.** Of each GPU's memory, :data:`RUNTIME_RESERVE` (10%, vLLM's default
   ``gpu_memory_utilization`` of 0.9) is held back for activations, the CUDA context and
@@ -28,9 +28,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from llmlib import costs as C
+from llmlib.analysis import costs as C
+from llmlib.analysis.gpus import GPU, get_gpu
 from llmlib.config import ModelConfig, get_config
-from llmlib.gpus import GPU, get_gpu
 from llmlib.shapes import kv_cache_bytes
 
 #: Share of each GPU's memory held back from weights and KV cache (vLLM's default: 0.9 usable).
@@ -97,7 +97,7 @@ def allreduce_seconds(nbytes: float, tp: int, gpu: GPU | str, latency_s: float =
         return 0.0
     g = get_gpu(gpu)
     if g.link_bandwidth <= 0:
-        raise ValueError(f"{g.name}: no GPU-to-GPU link bandwidth in llmlib.gpus")
+        raise ValueError(f"{g.name}: no GPU-to-GPU link bandwidth in llmlib.analysis.gpus")
     return 2 * (tp - 1) / tp * nbytes / g.link_bandwidth + latency_s
 
 

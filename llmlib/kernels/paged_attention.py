@@ -7,11 +7,11 @@ fused attention serves badly on a CPU:
   ``index_select`` first copies every sequence's blocks into one padded tensor, then
   ``scaled_dot_product_attention`` reads that copy, and on a memory-bound step the copy costs a
   large share of what the attention does;
-* the fixed-size cache of a compiled decode step (:class:`llmlib.cuda_graphs.StaticKVCache`):
+* the fixed-size cache of a compiled decode step (:class:`llmlib.runtime.static.StaticKVCache`):
   every step attends over all its slots under a mask, so no shape changes, and PyTorch's CPU
   kernel for one bfloat16 query costs several times its float32 one.
 
-The kernel (``llmlib/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks a
+The kernel (``llmlib/kernels/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks a
 block table instead, reads every key and value of the sequence once where it lies, stops at the
 sequence's length, and keeps the softmax running as it goes (flash attention's online form), so
 nothing of the keys' size is written and no sequence pays for another's padding or for unused
@@ -19,7 +19,7 @@ slots.
 
 It serves where all of this holds: a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or
 bfloat16 caches, a head size that is a multiple of 16, the layer's attention function being
-:func:`llmlib.attention.sdpa_attention` (with any score scale, soft cap or window), and
+:func:`llmlib.model.attention.sdpa_attention` (with any score scale, soft cap or window), and
 ``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere PyTorch's operators run, as the reference the
 tests compare it with.
 """
@@ -32,8 +32,8 @@ import os
 
 import torch
 
-from llmlib import native
-from llmlib.attention import AttentionFn, sdpa_attention
+from llmlib.kernels import native
+from llmlib.model.attention import AttentionFn, sdpa_attention
 
 _NAME = "llmlib_paged"
 

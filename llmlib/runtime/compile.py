@@ -8,7 +8,7 @@ operator between them is a separate call. Inductor has settings for both:
   once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
   layout for its weight-only int8/int4 kernels);
 * int8 and int4 matrices leave inductor's hands where the CPU has VNNI: :func:`compile_decode`
-  re-stores them for :mod:`llmlib.vnni`'s integer kernels, which the graph calls as they are
+  re-stores them for :mod:`llmlib.kernels.integer`'s integer kernels, which the graph calls as they are
   (the activations are then rounded to int8 too, as llama.cpp rounds them);
 * ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX
   micro-kernels where the CPU has them, AVX-512 or AVX2 ones elsewhere) with the dequantization
@@ -30,8 +30,8 @@ and choices on disk for the next process), constants a graph owns (the model kee
 weights for prefill), and a compiled step that no longer sees later changes to the weights.
 
 float32 keeps inductor's defaults: freezing would add a second, blocked float32 copy, the one the
-loader already decided against (:func:`llmlib.linear.prepare_cpu_weights`). On CUDA the step
-keeps inductor's defaults too (Triton kernels; :mod:`llmlib.cuda_graphs` captures graphs).
+loader already decided against (:func:`llmlib.kernels.linear.prepare_cpu_weights`). On CUDA the step
+keeps inductor's defaults too (Triton kernels; :mod:`llmlib.runtime.static` captures graphs).
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ def compile_options(model: nn.Module) -> dict[str, Any] | None:
 
 
 def plain_bfloat16(model: nn.Module) -> int:
-    """Turn every :class:`~llmlib.onednn.OneDNNWeight` of ``model`` back into a plain bfloat16
+    """Turn every :class:`~llmlib.kernels.onednn.OneDNNWeight` of ``model`` back into a plain bfloat16
     matrix (the same numbers); return how many.
 
     A compiled graph cannot see inside oneDNN's opaque tensors (they reach it only through the
     ``llmlib::onednn_linear`` operator), so neither freezing nor inductor's kernels could re-store
     or fuse them. Plain matrices they can; the model's eager prefill multiplies them as well.
     """
-    from llmlib.onednn import OneDNNWeight
+    from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.quantize import weight_matrices
 
     n = 0
@@ -85,7 +85,7 @@ def plain_bfloat16(model: nn.Module) -> int:
 
 def codes_left_to_inductor(model: nn.Module) -> int:
     """How many int8/int4 matrices of ``model`` a frozen graph multiplies with inductor's own
-    weight-only kernels (those :mod:`llmlib.vnni` did not take: a width off its tiles, or
+    weight-only kernels (those :mod:`llmlib.kernels.integer` did not take: a width off its tiles, or
     ``LLMLIB_VNNI=0``).
 
     Inductor re-packs such a matrix for its kernel while it compiles, and its on-disk cache of
@@ -135,21 +135,21 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
 
     On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
     plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself, and int8/int4
-    matrices in :mod:`llmlib.vnni`'s tiles where those kernels run: the graph calls them as
+    matrices in :mod:`llmlib.kernels.integer`'s tiles where those kernels run: the graph calls them as
     extern kernels, which read the weights with every thread and multiply bytes by bytes, where
     inductor's own weight-only kernels turn each code into a float first. The Generator (or
     engine) that compiles owns its model's layout from then on, and its modules: the compiled
     step does not check them again (:func:`own_step`). ``dynamic=True`` traces every size as a
     symbol, so one graph serves every batch (:func:`compile_engine_step`).
     """
-    from llmlib import matvec
+    from llmlib.kernels import matvec
 
-    matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.matvec)
+    matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.kernels.matvec)
     options = compile_options(model)
     step = own_step(step)
     if options is not None:
         plain_bfloat16(model)
-        from llmlib.vnni import repack_model
+        from llmlib.kernels.integer import repack_model
 
         repack_model(model)
         if codes_left_to_inductor(model):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.linear import embedding_rows, linear
+from llmlib.kernels.linear import embedding_rows, linear
 
 
 class TokenEmbedding(nn.Module):

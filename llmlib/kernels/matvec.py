@@ -4,14 +4,14 @@ A float32 decode step on a CPU is a matrix-vector product per weight matrix, and
 faster than the matrix streams from memory (chapter 9's floor). PyTorch hands that product to
 MKL, which chooses its code by CPU vendor: on AMD's CPUs its matrix-vector path streams the
 weights at a fraction of the measured read bandwidth. The kernel here
-(``llmlib/csrc/matvec.cpp``, op ``llmlib_matvec::matvec``) walks contiguous rows eight at a time
+(``llmlib/kernels/csrc/matvec.cpp``, op ``llmlib_matvec::matvec``) walks contiguous rows eight at a time
 and sums each one in registers: nothing more than the product, streamed.
 
-:func:`llmlib.linear.linear` takes it for a one-row float32 product on the CPU where it serves:
+:func:`llmlib.kernels.linear.linear` takes it for a one-row float32 product on the CPU where it serves:
 AVX-512 or AVX2 with FMA, a compiler, a contiguous matrix whose rows hold a multiple of 16
 values, and :func:`preferred` (a CPU not made by Intel, where MKL tunes its own paths; or
 ``LLMLIB_MATVEC=1``; ``LLMLIB_MATVEC=0`` turns it off everywhere). Elsewhere MKL serves, and
-:func:`llmlib.linear.use_matvec_layout` stores each matrix in the layout MKL streams fastest.
+:func:`llmlib.kernels.linear.use_matvec_layout` stores each matrix in the layout MKL streams fastest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from llmlib import native
+from llmlib.kernels import native
 
 _NAME = "llmlib_matvec"
 
@@ -46,11 +46,11 @@ def preferred() -> bool:
     """Whether one-row float32 products run here instead of MKL's (``LLMLIB_MATVEC`` forces it:
     ``1`` on, ``0`` off; unset: on a CPU not made by Intel). Builds it on the first call.
 
-    :func:`llmlib.linear.linear` asks on every one-row product, and reading the environment
+    :func:`llmlib.kernels.linear.linear` asks on every one-row product, and reading the environment
     costs more than the rest of the check, so the answer is kept from the first call on
     (``preferred.cache_clear()`` makes the next call read the variables again). A compiled
     graph that asks after the first call reads a module global, which dynamo folds into a
-    constant; :func:`llmlib.compiled.compile_decode` asks once before compiling, so dynamo never
+    constant; :func:`llmlib.runtime.compile.compile_decode` asks once before compiling, so dynamo never
     traces the /proc/cpuinfo read (a graph break). Not ``torch.compiler.assume_constant_result``:
     that decorator imports dynamo with this module, and so into every process that loads one."""
     if not _answer:

@@ -15,7 +15,7 @@ This module has two halves:
 
 * the **model** of a phase of inference (prefill of T tokens, or one decode step at batch B and
   context S): its FLOPs and its bytes (weights, KV cache, activations) counted by
-  :mod:`llmlib.costs` (one place counts parameters), the intensity, the predicted time and the
+  :mod:`llmlib.analysis.costs` (one place counts parameters), the intensity, the predicted time and the
   bound;
 * the **measurement** of a machine's two ceilings: the median throughput of a large matmul per
   dtype, and the median bandwidth of reading a large buffer, timed with CUDA events on a GPU.
@@ -34,10 +34,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmlib import costs as C
+from llmlib.analysis import costs as C
+from llmlib.analysis.gpus import GPU, get_gpu
 from llmlib.config import ModelConfig, get_config
 from llmlib.dtypes import canonical
-from llmlib.gpus import GPU, get_gpu
 
 #: ``weight_bits`` shorthand -> the GGUF block format the book's loaders read.
 WEIGHT_BITS: dict[int, str] = {8: "q8_0", 4: "q4_1"}
@@ -115,7 +115,7 @@ def phase(
     Bytes: the weights once per pass (all layers, final norm, full LM head; for a mixture of experts
     the experts the batch is expected to touch), plus per sequence the cached keys/values read and the
     new ones written, plus per new token its embedding row and activations
-    (:func:`llmlib.costs.activation_bytes_per_token`). ``last_only`` models a prefill that runs the
+    (:func:`llmlib.analysis.costs.activation_bytes_per_token`). ``last_only`` models a prefill that runs the
     LM head for the last position only (all a generator needs): the other rows' LM-head FLOPs and
     logits disappear, though the LM head's weights are still read once.
     """
@@ -187,7 +187,7 @@ class Roof:
 
     @classmethod
     def from_gpu(cls, gpu: GPU | str) -> Roof:
-        """A GPU of :data:`llmlib.costs.GPUS`, at its dense bf16 datasheet figures."""
+        """A GPU of :data:`llmlib.analysis.costs.GPUS`, at its dense bf16 datasheet figures."""
         g = get_gpu(gpu)
         return cls(g.name, g.flops, g.bandwidth, g.source)
 
@@ -293,7 +293,7 @@ def measure_matmul(
     matrices, small enough for a second of work) and 8192 on a GPU. Returns each rep's figure;
     take the median.
 
-    The product goes through :func:`llmlib.linear.linear`, the path every weight product of the
+    The product goes through :func:`llmlib.kernels.linear.linear`, the path every weight product of the
     model takes: on a CPU in float32 that is oneDNN with the weight re-ordered into its blocked
     layout, measurably faster here than a plain ``torch.mm``, so the ceiling is what the model's own
     kernels can reach.
@@ -301,7 +301,7 @@ def measure_matmul(
     import torch
 
     from llmlib.device import pick_device, pick_dtype, timings
-    from llmlib.linear import linear, pack_weights
+    from llmlib.kernels.linear import linear, pack_weights
 
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from llmlib.attention import AttentionFn
-from llmlib.attention_kernel import decode_attention, fused_options, serves_pool
 from llmlib.config import ModelConfig
+from llmlib.kernels.paged_attention import decode_attention, fused_options, serves_pool
+from llmlib.model.attention import AttentionFn
 
 
 class StaticKVCache:
@@ -40,8 +40,8 @@ class StaticKVCache:
     unwritten slot is never attended to. It implements the model's cache contract,
     ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
 
-    It also attends itself (:class:`llmlib.attention.AttendingCache`): a one-token step on a CPU
-    where :mod:`llmlib.attention_kernel` serves runs that kernel over each sequence's written
+    It also attends itself (:class:`llmlib.model.attention.AttendingCache`): a one-token step on a CPU
+    where :mod:`llmlib.kernels.paged_attention` serves runs that kernel over each sequence's written
     slots only (``kernel=False`` or any other step: the layer's attention under the mask). Each
     KV head's slots ``[max_len, head_dim]`` are one contiguous run, so the cache reads to the
     kernel as a pool of ``max_batch * kv_heads`` blocks of ``max_len`` tokens, one block per
@@ -70,7 +70,7 @@ class StaticKVCache:
         self.max_batch, self.max_len = max_batch, max_len
         self.device = torch.device(device)
         self._slots = torch.arange(max_len, device=device)
-        #: one-token steps attend by llmlib.attention_kernel (None: wherever it serves)
+        #: one-token steps attend by llmlib.kernels.paged_attention (None: wherever it serves)
         self.kernel = serves_pool(self.k[0]) if kernel is None else bool(kernel)
         # block i of the kernel's pool: sequence i // kv_heads, KV head i % kv_heads
         self._table = torch.arange(max_batch * cfg.n_kv_heads, device=device).view(-1, 1)

@@ -1,0 +1,13 @@
+"""The machine's side: how this CPU (or GPU) multiplies, attends and normalises fastest.
+
+Nothing in the book's model depends on this package; :func:`~llmlib.kernels.prepare.prepare`
+swaps its modules in after a model is built.
+
+* :mod:`~llmlib.kernels.flags` — the one record of every ``LLMLIB_*`` switch and CPU capability;
+* :mod:`~llmlib.kernels.native` — the C++ sources (``csrc/``) and their build;
+* :mod:`~llmlib.kernels.matvec` — one-row float32 products, where MKL streams slowly;
+* :mod:`~llmlib.kernels.integer` — int8/int4 products by integer dot products (VNNI or AVX2);
+* :mod:`~llmlib.kernels.onednn` — bfloat16 (and float32) held in oneDNN's blocked layout;
+* :mod:`~llmlib.kernels.paged_attention` — decode attention read where a cache holds the keys;
+* :mod:`~llmlib.kernels.linear` — CPU weight layouts;
+"""
