@@ -437,7 +437,7 @@ class Check:
         """The same 8B shape at batch 1 in bfloat16, int8 and int4 (weight-only, group 32): decode
         tokens/s and the bytes each step reads as stored, against the measured copy bandwidth."""
         from llmlib.bench.formats import weight_bytes
-        from llmlib.quantize import quantize_model
+        from llmlib.kernels.prepare import quantize_model
 
         dev = self.place.device
         if self.dry:

@@ -15,7 +15,6 @@ the number is the work.
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import socket
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from llmlib.dtypes import torch_dtype
+from llmlib.kernels.flags import flags
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
@@ -64,20 +64,22 @@ def pick_dtype(
     """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted
     (:mod:`llmlib.dtypes` is the one table of names).
 
-    With a weight-only ``quantization`` the dtype is the activations': bfloat16 on CUDA and on a
-    CPU with native bfloat16 (the CPU int8/int4 kernels are made for it), float32 elsewhere.
+    With a weight-only ``quantization`` the dtype is the activations': bfloat16 on CUDA, and on a
+    CPU :attr:`llmlib.kernels.flags.Flags.activations` (bfloat16 where the CPU multiplies it in
+    hardware, float32 elsewhere; ``LLMLIB_ACTIVATIONS`` forces it).
     """
     dev = torch.device(device)
     if dtype is None or dtype == "auto":
-        if dev.type == "cuda" or (quantization and dev.type == "cpu" and native_bf16()):
+        if dev.type == "cuda":
             return torch.bfloat16
+        if quantization and dev.type == "cpu":
+            return torch_dtype(flags().activations)
         return torch.float32
     return torch_dtype(dtype)
 
 
-@functools.cache
 def _cpuinfo(key: str) -> str:
-    """The first ``key : value`` of Linux's ``/proc/cpuinfo`` (read once per key; "" elsewhere)."""
+    """The first ``key : value`` of Linux's ``/proc/cpuinfo`` ("" elsewhere): the CPU's name."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -90,27 +92,25 @@ def _cpuinfo(key: str) -> str:
 
 def cpu_vendor() -> str:
     """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty off Linux)."""
-    return _cpuinfo("vendor_id")
+    return flags().vendor
 
 
-@functools.cache
 def mkl_tuned() -> bool:
     """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here: on
     Intel's CPUs (or where the vendor is unknown). It picks its code by vendor, and elsewhere
-    takes generic paths (:func:`llmlib.kernels.linear.onednn_float32_preferred`, :mod:`llmlib.kernels.matvec`)."""
-    return cpu_vendor() in ("GenuineIntel", "")
+    takes generic paths (:mod:`llmlib.kernels.matvec`, :class:`llmlib.kernels.weights.Float32Weight`)."""
+    return flags().mkl_tuned
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
-    return frozenset(_cpuinfo("flags").split())
+    return flags().cpu_flags
 
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16): the condition
     under which bfloat16 and the weight-only kernels beat float32 here (chapter 9 measures it)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return flags().native_bf16
 
 
 #: What ``llmlib generate/chat`` (one request, batch-1 decode) and ``LLM()``/``llmlib serve``
@@ -144,7 +144,7 @@ def choose_format(
     repack."""
     dev = pick_device(device)
     if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
-        vnni = "avx512_vnni" in cpu_flags()
+        vnni = flags().integer == "vnni"
         for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
             if (q != "gguf" or gguf_blocks) and (q is None or not batched or vnni):
                 return Placement(dev, torch_dtype(d)), q

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from llmlib.kernels.linear import use_matvec_layout
+from llmlib.kernels.prepare import Format, prepare
 from llmlib.model.kv_cache import KVCache
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
 from llmlib.runtime.compile import compile_decode
@@ -93,10 +93,10 @@ DEFAULTS: dict[str, Any] = dict(max_new_tokens=64, temperature=0.0, seed=0)
 class Generator:
     """One request at a time: a model, its tokenizer and a static KV cache reused across calls.
 
-    On the CPU each weight matrix is stored in the layout that makes decode's matrix-vector products
-    fastest (:func:`llmlib.kernels.linear.use_matvec_layout`; :func:`llmlib.load_model` already does this
-    on CPU, so for a loaded model this is a no-op); ``decode_layout=False`` leaves the model
-    untouched.
+    A model that was built rather than loaded (:func:`llmlib.model.random_model`) gets its matrices
+    stored for this machine's kernels first (:func:`llmlib.kernels.prepare.prepare`;
+    :func:`llmlib.load_model` already does this, so for a loaded model nothing changes);
+    ``decode_layout=False`` leaves the model untouched.
 
     ``compile=True`` hands the decode step to ``torch.compile`` (:func:`llmlib.runtime.compile.compile_decode`).
     On the CPU, a bfloat16 model's oneDNN-blocked matrices then go back to plain ones, which a
@@ -122,12 +122,8 @@ class Generator:
         p = next(model.parameters())
         self.device = p.device
         self.dtype = getattr(model, "dtype", p.dtype)  # activations and KV cache: the model's dtype
-        if (
-            decode_layout
-            if decode_layout is not None
-            else self.device.type == "cpu" and self.dtype == torch.float32
-        ):
-            use_matvec_layout(model)
+        if decode_layout is not False and not hasattr(model, "weight_format"):
+            prepare(model, Format(self.device, self.dtype))
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         self.eos_ids = eos_token_ids(self.config, tokenizer)
         self._cache: KVCache | None = None

@@ -1,7 +1,7 @@
 """Batch-invariant mode: a request's logits bitwise the same in every situation the engine puts it in.
 
-Tiny random models (float32 with oneDNN's packed copy, and bfloat16 in oneDNN's layout, the
-default format on this CPU) through :func:`llmlib.analysis.invariance.measure`: batches of 4 and 16,
+Tiny random models (float32 and bfloat16, each stored as the loader stores it on this CPU:
+oneDNN's layouts where the flags choose them) through :func:`llmlib.analysis.invariance.measure`: batches of 4 and 16,
 chunked prefill at two budgets, preemption with recompute, a prefix-cache hit. Every case must
 be bitwise identical to the request run alone in batch-invariant mode; the same cases in the
 default mode must show a difference somewhere (else these tests could not tell the modes apart).
@@ -17,7 +17,8 @@ import torch
 from llmlib.analysis.invariance import measure
 from llmlib.config import ModelConfig
 from llmlib.engine import LLM
-from llmlib.kernels.linear import fixed_row_tiles, linear, pack_bfloat16, pack_weights
+from llmlib.kernels.prepare import prepare
+from llmlib.kernels.weights import Float32Weight, RowTiles
 from llmlib.model import random_model
 from llmlib.sampling import SamplingParams
 
@@ -28,12 +29,7 @@ CASES = ("batch-4", "batch-16", "chunk-7", "chunk-32", "preempted", "prefix-hit"
 
 
 def tiny(dtype: torch.dtype, cfg: ModelConfig = CFG) -> torch.nn.Module:
-    m = random_model(cfg, "cpu", dtype, std=0.05)
-    if dtype == torch.bfloat16:
-        pack_bfloat16(m)  # what the loader does on a CPU with native bfloat16
-    else:
-        pack_weights(m)
-    return m
+    return prepare(random_model(cfg, "cpu", dtype, std=0.05))  # as the loader stores it
 
 
 def prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
@@ -111,19 +107,20 @@ def test_seeded_sampling_and_logprobs_reproduce_in_any_batch(model):
     ]
 
 
-def test_fixed_row_tiles_make_a_row_independent_of_the_row_count():
+@pytest.mark.parametrize("stored", ["plain", "float32"])
+def test_row_tiles_make_a_row_independent_of_the_row_count(stored):
     torch.manual_seed(0)
     w = torch.randn(300, 96)
+    inner = w if stored == "plain" else Float32Weight(w, blocked=True)
+    tiles = RowTiles(inner, 32)
     x = torch.randn(70, 96)
-    with fixed_row_tiles(32):
-        ref = linear(x[:1], w)[0]
-        for n in (2, 5, 31, 32, 33, 64, 70):
-            assert torch.equal(linear(x[:n], w)[0], ref)
-        assert linear(x[:5].view(1, 5, 96), w).shape == (1, 5, 300)
-    assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5)
+    ref = tiles.linear(x[:1])[0]
+    for n in (2, 5, 31, 32, 33, 64, 70):
+        assert torch.equal(tiles.linear(x[:n])[0], ref)
+    assert tiles.linear(x[:5].view(1, 5, 96)).shape == (1, 5, 300)
+    assert torch.allclose(tiles.linear(x), x @ w.T, atol=1e-5)
     with pytest.raises(ValueError):
-        with fixed_row_tiles(0):
-            pass
+        RowTiles(w, 0)
 
 
 def test_tensor_parallel_is_refused():

@@ -186,7 +186,7 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
 def test_static_decode_step_padding_touches_only_the_scratch_block():
     from llmlib.engine.graphs import StaticDecodeStep
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
-    from llmlib.model.attention import sdpa_attention
+    from llmlib.model.attention import AttentionSpec
 
     torch.manual_seed(0)
     cache = PagedKVCache(1, 6, 2, 4, 8)  # block 5 is the scratch block
@@ -194,7 +194,7 @@ def test_static_decode_step_padding_touches_only_the_scratch_block():
     step.fill([SeqChunk([3, 1], 5, 1), SeqChunk([2], 0, 1)], [7, 9])  # two real rows, two padding
     assert step.ids.tolist() == [[7, 9, 0, 0]] and step.positions.tolist() == [[5, 0, 0, 0]]
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
-    out = step.attend(0, q, k, v, sdpa_attention)
+    out = step.attend(0, q, k, v, AttentionSpec())
     assert torch.isfinite(out).all()
     # row 0: position 5 = block table[1] = 1, slot 1
     assert torch.equal(cache.k[0][1][1], k[0, :, 0])

@@ -13,6 +13,7 @@ keep their dtype, and Qwen2/Qwen3 GGUF files written with the ``gguf`` package l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -275,7 +276,7 @@ def test_windows_matter_here(saved) -> None:
     model = llmlib.load_model(folder, device="cpu")
     assert [layer.attn.window for layer in model.layers] == [16, 16]
     for layer in model.layers:
-        layer.attn.window, layer.attn.attn_options = None, {}
+        layer.attn.spec = dataclasses.replace(layer.attn.spec, window=None)
     assert _max_diff(model, hf, _ids()) > 1e-2
 
 
@@ -293,10 +294,12 @@ class IdTokenizer:
 def _peaked(folder: Path) -> llmlib.Transformer:
     """The saved model with its LM head scaled up, so greedy choices have clear winners: batched
     and one-at-a-time float32 products differ in the last bits, and a near-tie must not flip."""
-    model = llmlib.load_model(folder, device="cpu")
-    with torch.no_grad():
-        model.lm_head_weight.mul_(8.0)
-    return model
+    from llmlib.checkpoints import build_model, read_checkpoint
+
+    cfg, state, _ = read_checkpoint(folder)
+    head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+    state[head] = state[head] * 8.0  # before the loader stores it for this machine's kernels
+    return build_model(cfg, state, "cpu")
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -324,6 +327,7 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
     """Prefill then decode through the static cache, the CUDA-graph cache and the paged cache's
     contract path (``update``): the logits of a full forward pass at every position."""
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+    from llmlib.model.attention import KVCacheLike
     from llmlib.runtime.static import StaticKVCache
 
     model = llmlib.load_model(saved[family][1], device="cpu")
@@ -337,7 +341,9 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
         pool = PagedKVCache(cfg.n_layers, 16, cfg.n_kv_heads, 4, cfg.head_dim)
         table = list(range(15, 7, -1))
 
-        class UpdateOnly:  # the paged step without its attend(): the plain contract
+        class UpdateOnly(
+            KVCacheLike
+        ):  # the paged step without its attend(): the contract's default
             def __init__(self, step):
                 self.update = step.update
 
@@ -380,7 +386,9 @@ def test_attention_bias_on_every_projection(tmp_path: Path, family: str) -> None
 
 
 def test_a_cache_without_windows_is_refused(saved) -> None:
-    class OldCache:
+    from llmlib.model.attention import KVCacheLike
+
+    class OldCache(KVCacheLike):
         def update(self, layer, k, v, positions):
             return k, v, None
 

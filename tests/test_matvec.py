@@ -1,35 +1,29 @@
-"""The one-row float32 kernel equals the same product in float64, and linear() takes it only
-where it serves (a one-row float32 product of a contiguous CPU matrix)."""
+"""The one-row float32 kernel equals the same product in float64, and a float32 matrix takes it
+only where it serves (one row, float32, a contiguous CPU matrix, the flags choosing it)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from llmlib.kernels import linear, matvec, native
-
-can_build = native.has_avx2() or native.has_avx512()
-needs_kernel = pytest.mark.skipif(not can_build, reason="no AVX2 or AVX-512: no kernel here")
+from llmlib.kernels import matvec, native
+from llmlib.kernels.flags import forced
+from llmlib.kernels.weights import Float32Weight
 
 
 @pytest.fixture
-def forced_on(monkeypatch):
-    monkeypatch.setenv("LLMLIB_MATVEC", "1")
-    matvec.preferred.cache_clear()  # the answer is kept per process: read the variable again
-    try:
-        if not matvec.preferred():
+def forced_on():
+    if not native.has_avx2():
+        pytest.skip("no AVX2 or AVX-512: no kernel here")
+    with forced(matvec=True):
+        if not matvec.available():
             pytest.skip("the kernel could not be built here")
         yield
-    finally:
-        monkeypatch.undo()
-        matvec.preferred.cache_clear()  # later tests see this machine's own choice
 
 
-@needs_kernel
 @pytest.mark.parametrize("shape", [(8, 16), (13, 48), (960, 576), (576, 1536), (1000, 64)])
 def test_kernel_equals_float64(forced_on, shape) -> None:
     # 13 and 1000 rows: a remainder after the passes of eight rows
@@ -42,32 +36,39 @@ def test_kernel_equals_float64(forced_on, shape) -> None:
     torch.testing.assert_close(got, want, atol=1e-5 * shape[1] ** 0.5, rtol=1e-5)
 
 
-@needs_kernel
-def test_linear_takes_it_for_one_row_only(forced_on, monkeypatch) -> None:
+def test_a_float32_matrix_takes_it_for_one_row_only(forced_on, monkeypatch) -> None:
     calls = []
-    real = matvec.matvec
-    monkeypatch.setattr(matvec, "matvec", lambda x, w: calls.append(x.shape) or real(x, w))
+    real = torch.ops.llmlib_matvec.matvec
+
+    class Spy:
+        @staticmethod
+        def matvec(x, w):
+            calls.append(tuple(x.shape))
+            return real(x, w)
+
+    monkeypatch.setattr(torch.ops, "llmlib_matvec", Spy)
     w, b = torch.randn(64, 32), torch.randn(64)
+    stored = Float32Weight(w, one_row=matvec.serves(w))
     one, two = torch.randn(1, 1, 32), torch.randn(2, 32)
-    torch.testing.assert_close(linear.linear(one, w, b), one @ w.T + b)
-    torch.testing.assert_close(linear.linear(two, w), two @ w.T)
-    linear.linear(one, w.t().contiguous().t())  # column-major: MKL's
-    linear.linear(one.bfloat16(), w.bfloat16())  # bfloat16: not this kernel's
-    assert calls == [(1, 1, 32)]
+    torch.testing.assert_close(stored.linear(one, b), one @ w.T + b)
+    torch.testing.assert_close(stored.linear(two), two @ w.T)
+    stored.linear(one.bfloat16().float())  # another float32 row: the kernel again
+    assert calls == [(1, 1, 32), (1, 1, 32)]
+    assert not matvec.serves(w.t().contiguous().t())  # column-major: MKL's layout
 
 
 def test_switched_off_and_refused() -> None:
     code = (
-        "import torch; from llmlib.kernels import matvec; assert not matvec.preferred(); "
+        "import torch; from llmlib.kernels import matvec; assert not matvec.available(); "
         "assert not matvec.serves(torch.zeros(4, 16))"
     )
-    env = {**os.environ, "LLMLIB_MATVEC": "0"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={"LLMLIB_MATVEC": "0", "PATH": "/usr/bin"}
+    )
     assert not matvec.serves(torch.zeros(4, 15))  # rows not a multiple of 16
     assert not matvec.serves(torch.zeros(4, 16, dtype=torch.bfloat16))
 
 
-@needs_kernel
 def test_errors_name_the_problem(forced_on) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.llmlib_matvec.matvec(torch.zeros(1, 15), torch.zeros(4, 15))
@@ -76,8 +77,8 @@ def test_errors_name_the_problem(forced_on) -> None:
 
 
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
-    """A decorator from torch.compiler once imported dynamo with llmlib.kernels.matvec:
-    in every process, which the bench's resident memory then counted as weights."""
+    """Nothing on the loading path imports torch._dynamo: in every process, the bench's resident
+    memory would count it as weights."""
     code = (
         "import sys, llmlib; llmlib.load_model(sys.argv[1], 'cpu', 'float32'); "
         "llmlib.load_model(sys.argv[1], 'cpu', 'bfloat16', 'int8'); "

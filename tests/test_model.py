@@ -12,6 +12,7 @@ import torch
 from llmlib.checkpoints.build import load_model
 from llmlib.config import ModelConfig
 from llmlib.model import Transformer
+from llmlib.model.attention import KVCacheLike
 from llmlib.shapes import param_shapes as expected_shapes
 
 transformers = pytest.importorskip("transformers")
@@ -160,8 +161,9 @@ def test_state_dict_uses_contract_names_and_round_trips() -> None:
         assert torch.equal(a(ids), b(ids))
 
 
-class ListCache:
-    """The smallest cache that satisfies the contract: append new k/v per layer, mask by position."""
+class ListCache(KVCacheLike):
+    """The smallest cache that satisfies the contract: append new k/v per layer, mask by position
+    (the contract's default ``attend`` does the rest)."""
 
     def __init__(self) -> None:
         self.k: dict[int, torch.Tensor] = {}
@@ -208,7 +210,7 @@ def test_cache_hook_prefill_then_decode_equals_no_cache(backend: str) -> None:
 
 
 def test_cache_mask_none_means_causal() -> None:
-    class PassThrough:
+    class PassThrough(KVCacheLike):
         def update(self, layer, k, v, positions):
             return k, v, None
 

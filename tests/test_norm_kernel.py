@@ -1,5 +1,5 @@
-"""The fused CPU RMSNorm (llmlib/csrc/rms_norm.cpp) equals torch.nn.functional.rms_norm, and the
-model's RMSNorm uses it only where it may (eager, no autograd)."""
+"""The fused CPU RMSNorm (llmlib/kernels/csrc/rms_norm.cpp) equals torch.nn.functional.rms_norm,
+and the fused module uses it only where it may (eager, no autograd)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlib.model import norm
-from llmlib.model.norm import RMSNorm, rms_norm
+from llmlib.kernels import norm
+from llmlib.kernels.flags import forced
+from llmlib.model.norm import RMSNorm
 
 needs_kernel = pytest.mark.skipif(
-    not norm._fused(), reason="no AVX-512 or no compiler: the fused norm cannot run here"
+    not norm.available(), reason="no AVX-512 or no compiler: the fused norm cannot run here"
 )
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    mod = RMSNorm(w.shape[0], eps)
+    mod.weight = torch.nn.Parameter(w, requires_grad=False)
+    return norm.FusedRMSNorm.replacing(mod)(x)
 
 
 @needs_kernel
@@ -56,7 +63,7 @@ def test_nan_and_strided_inputs() -> None:
 @needs_kernel
 def test_module_keeps_autograd() -> None:
     # the gain is a parameter that wants gradients: PyTorch's differentiable op runs then
-    mod = RMSNorm(64)
+    mod = norm.FusedRMSNorm.replacing(RMSNorm(64))
     x = torch.randn(2, 64, requires_grad=True)
     y = mod(x)
     y.sum().backward()
@@ -65,9 +72,6 @@ def test_module_keeps_autograd() -> None:
         torch.testing.assert_close(mod(x), y.detach(), atol=1e-6, rtol=0)
 
 
-def test_switched_off(monkeypatch) -> None:
-    monkeypatch.setenv("LLMLIB_FUSED_NORM", "0")
-    assert not norm._fused()
-    x, w = torch.randn(3, 48), torch.randn(48)
-    with torch.no_grad():
-        torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
+def test_switched_off() -> None:
+    with forced(fused_norm=False):
+        assert not norm.available()

@@ -127,10 +127,10 @@ def test_attend_mixed_row_equals_contiguous(backend):
     """The engine's path: prefill chunks (one starting mid-sequence) and decode tokens of several
     sequences packed in ONE row; ``attend`` must give each token exactly its own sequence's
     causal attention, with every attention backend."""
-    from llmlib.model.attention import ATTENTION_BACKENDS
+    from llmlib.model.attention import AttentionSpec
 
     torch.manual_seed(2)
-    fn = ATTENTION_BACKENDS[backend]
+    fn = AttentionSpec(backend)
     cache = PagedKVCache(1, 40, HKV, BS, D)
     # (total length, tokens already in the pool before this step)
     seqs = [(9, 0), (13, 6), (7, 6), (17, 16), (5, 4)]  # two prefills (one chunked), three decodes

@@ -3,7 +3,6 @@ it replaces), for every option a family sets, and the engine's tokens do not cha
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from llmlib.engine import paged_cache
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.kernels import paged_attention as paged_kernel
-from llmlib.model.attention import naive_attention, sdpa_attention, tiled_attention
+from llmlib.model.attention import AttentionSpec
 
 needs_kernel = pytest.mark.skipif(
     not paged_kernel.available(),
@@ -79,12 +78,11 @@ def test_block_size_not_a_multiple_of_the_chunk() -> None:
 
 
 def test_only_the_fused_function_is_replaced() -> None:
-    assert paged_kernel.fused_options(sdpa_attention) == {}
-    part = functools.partial(sdpa_attention, scale=0.5, window=8, softcap=3.0)
-    assert paged_kernel.fused_options(part) == {"scale": 0.5, "softcap": 3.0}
+    assert paged_kernel.serves_spec(AttentionSpec())
+    assert paged_kernel.serves_spec(AttentionSpec(scale=0.5, window=8, softcap=3.0))
     # the book's own arithmetic stays what it is
-    assert paged_kernel.fused_options(naive_attention) is None
-    assert paged_kernel.fused_options(functools.partial(tiled_attention, scale=0.5)) is None
+    assert not paged_kernel.serves_spec(AttentionSpec("naive"))
+    assert not paged_kernel.serves_spec(AttentionSpec("tiled", scale=0.5))
 
 
 @needs_kernel
@@ -107,13 +105,12 @@ def test_paged_step_same_with_and_without_kernel(window) -> None:
             cache.step([[SeqChunk(t, 0, done)]]).update(0, kv, kv.flip(-1))
     T = sum(n - done for n, done in seqs)
     q, k, v = torch.randn(1, H, T, D), torch.randn(1, HKV, T, D), torch.randn(1, HKV, T, D)
-    fn = sdpa_attention if window is None else functools.partial(sdpa_attention, window=window)
+    spec = AttentionSpec(window=window)
     chunks = [[SeqChunk(t, done, n - done) for (n, done), t in zip(seqs, tables)]]
-    win = {} if window is None else {"window": window}
     assert cache.kernel
-    fast = cache.step(chunks).attend(0, q, k, v, fn, **win)
+    fast = cache.step(chunks).attend(0, q, k, v, spec)
     cache.kernel = False  # the gather path, as where the kernel cannot run
-    slow = cache.step(chunks).attend(0, q, k, v, fn, **win)
+    slow = cache.step(chunks).attend(0, q, k, v, spec)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 
 
@@ -155,22 +152,21 @@ def test_static_cache_kernel_same_as_masked_attention(dtype, window, b) -> None:
     )
     fast, slow = (StaticKVCache(cfg, 2, 32, dtype=dtype, kernel=kn) for kn in (True, False))
     assert fast.kernel
-    fn = sdpa_attention if window is None else functools.partial(sdpa_attention, window=window)
-    win = {} if window is None else {"window": window}
+    spec = AttentionSpec(window=window)
     D = cfg.head_dim
     pos = torch.arange(9).expand(b, 9) + torch.arange(b)[:, None]  # rows at different positions
     k, v = (torch.randn(b, 2, 9, D).to(dtype) for _ in range(2))
     q = torch.randn(b, 6, 9, D).to(dtype)
-    out = [c.attend(0, q, k, v, fn, positions=pos, **win) for c in (fast, slow)]
+    out = [c.attend(0, q, k, v, spec, pos) for c in (fast, slow)]
     torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)  # prefill: the same path
     for step in range(9, 20):
         p = pos[:, -1:] + step - 8
         q, k, v = (torch.randn(b, h, 1, D).to(dtype) for h in (6, 2, 2))
-        got, want = (c.attend(0, q, k, v, fn, positions=p, **win) for c in (fast, slow))
+        got, want = (c.attend(0, q, k, v, spec, p) for c in (fast, slow))
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
     with pytest.raises(ValueError, match="positions"):
-        fast.attend(0, q, k, v, fn)
+        fast.attend(0, q, k, v, spec)
 
 
 def test_reference_is_plain_attention() -> None:

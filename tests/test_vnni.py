@@ -1,5 +1,5 @@
-"""The VNNI int8/int4 kernels (llmlib.kernels.integer): layouts, products against the same arithmetic in
-float64, the rows of a tied table, and a model re-stored for the batching engine."""
+"""The integer int8/int4 kernels (llmlib.kernels.integer): layouts, products against the same
+arithmetic in float64, the rows of a tied table, and a model stored for them at load."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ import pytest
 import torch
 from test_gguf import TINY
 
-from llmlib.engine.load import for_batches
 from llmlib.kernels import integer as vnni
 from llmlib.kernels import native
+from llmlib.kernels.flags import forced
+from llmlib.kernels.prepare import quantize_model, weight_matrices
+from llmlib.kernels.weights import Int4Weight, Int8Weight
 from llmlib.model import random_model
-from llmlib.quantize import (
-    Int4Weight,
-    Int8Weight,
-    quantize_int4,
-    quantize_int8,
-    quantize_model,
-    weight_matrices,
-)
+from llmlib.quantize import quantize_int4, quantize_int8
 
 needs_kernels = pytest.mark.skipif(
     not vnni.available(), reason="no AVX-512 VNNI or AVX2 here (or no compiler): PyTorch's serve"
@@ -125,11 +120,12 @@ def test_kernels_inside_torch_compile() -> None:
 
 
 @needs_kernels
-def test_engine_model_restored_for_batches() -> None:
+def test_quantized_model_stored_for_the_kernels() -> None:
     cfg = TINY.replace(d_model=64, ffn_dim=128, vocab_size=128, tie_embeddings=True)
-    ref = quantize_model(random_model(cfg, "cpu", torch.bfloat16), "int4")
+    with forced(integer="off"):  # PyTorch's weight-only layouts: the reference
+        ref = quantize_model(random_model(cfg, "cpu", torch.bfloat16), "int4")
+    assert {type(m.weight) for m in weight_matrices(ref).values()} == {Int4Weight, Int8Weight}
     model = quantize_model(random_model(cfg, "cpu", torch.bfloat16), "int4")
-    for_batches(model)
     kinds = {type(m.weight) for m in weight_matrices(model).values()}
     assert kinds == {vnni.VnniInt4Weight, vnni.VnniInt8Weight}  # int4 keeps the tied head in int8
     ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
@@ -138,7 +134,6 @@ def test_engine_model_restored_for_batches() -> None:
     assert (a - b).norm() / b.norm() < 5e-2  # the same codes; the activations are rounded too
     # a matrix the tiles do not fit keeps PyTorch's kernel
     odd = quantize_model(random_model(TINY.replace(ffn_dim=80), "cpu", torch.bfloat16), "int8")
-    for_batches(odd)
     downs = [m.weight for n, m in weight_matrices(odd).items() if n.endswith("w_down")]
     assert all(isinstance(w, Int8Weight) for w in downs)
     assert not any(isinstance(m.weight, Int4Weight) for m in weight_matrices(odd).values())
@@ -156,10 +151,9 @@ def test_without_the_kernels_pytorchs_serve(monkeypatch) -> None:
         assert (
             vnni._load.__wrapped__(vnni.isa() or "avx2") is False
         )  # the build itself, past the cache
-    monkeypatch.setenv("LLMLIB_VNNI", "0")
-    assert not vnni.available()
-    model = quantize_model(random_model(TINY, "cpu", torch.bfloat16), "int8")
-    assert vnni.repack_model(model) == 0
+    with forced(integer="off"):
+        assert not vnni.available()
+        model = quantize_model(random_model(TINY, "cpu", torch.bfloat16), "int8")
     assert all(isinstance(m.weight, Int8Weight) for m in weight_matrices(model).values())
 
 
@@ -186,7 +180,7 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     import sys
 
     env = {**os.environ, "LLMLIB_NATIVE_ISA": "avx2"}
-    tests = "(arithmetic or does_not_depend or restored_for_batches) and not avx2_build"
+    tests = "(arithmetic or does_not_depend or stored_for_the_kernels) and not avx2_build"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
         env=env,

@@ -293,23 +293,24 @@ def measure_matmul(
     matrices, small enough for a second of work) and 8192 on a GPU. Returns each rep's figure;
     take the median.
 
-    The product goes through :func:`llmlib.kernels.linear.linear`, the path every weight product of the
-    model takes: on a CPU in float32 that is oneDNN with the weight re-ordered into its blocked
-    layout, measurably faster here than a plain ``torch.mm``, so the ceiling is what the model's own
-    kernels can reach.
+    The matrix is stored as the loader would store a model's (:func:`llmlib.kernels.prepare.pack_dense`),
+    so the product is the one every weight product of the model takes: on a CPU not made by Intel,
+    in float32, oneDNN with the weight re-ordered into its blocked layout, measurably faster there
+    than a plain ``torch.mm``; the ceiling is what the model's own kernels can reach.
     """
     import torch
+    import torch.nn.functional as F
 
     from llmlib.device import pick_device, pick_dtype, timings
-    from llmlib.kernels.linear import linear, pack_weights
+    from llmlib.kernels.prepare import Format, pack_dense
 
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     n = n or (8192 if dev.type == "cuda" else 1024)
     a = torch.randn(n, n, device=dev).to(dt)
-    w = torch.nn.Linear(n, n, bias=False, device=dev, dtype=dt).requires_grad_(False)
-    pack_weights(w)
-    secs = timings(lambda: linear(a, w.weight), dev, warmup, reps)
+    w = pack_dense("w", torch.randn(n, n, device=dev) / n**0.5, Format(dev, dt))
+    product = (lambda: F.linear(a, w)) if isinstance(w, torch.Tensor) else (lambda: w.linear(a))
+    secs = timings(product, dev, warmup, reps)
     return [2.0 * n**3 / s for s in secs]
 
 

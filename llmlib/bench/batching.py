@@ -35,12 +35,13 @@ import torch
 from llmlib.bench import save_json
 from llmlib.bench._workload import Request, make_requests, run_continuous
 from llmlib.bench.invariance import cost_summary
+from llmlib.model.attention import KVCacheLike
 from llmlib.model.kv_cache import KVCache
 
 # ---- static batching ------------------------------------------------------------------------------
 
 
-class PaddedStaticCache:
+class PaddedStaticCache(KVCacheLike):
     """The static KV cache for a left-padded batch: hides the padding slots from attention.
 
     Rows are left-padded so every row's newest token sits in the same column; the wrapped

@@ -90,7 +90,6 @@ def run(
     from llmlib.bench._workload import run_continuous
     from llmlib.bench.formats import fp32_copy_check, quality
     from llmlib.device import machine_info
-    from llmlib.engine.load import for_batches
 
     tok = llmlib.load_tokenizer(path)
     models: dict[str, torch.nn.Module] = {}
@@ -101,7 +100,7 @@ def run(
         dtype, q = format_of(base)
         # stored as LLM() stores what it loads (a compiled row has a model of its own: compiling
         # re-stores its matrices for the graph)
-        models[name] = m = for_batches(llmlib.load_model(path, "cpu", dtype, q))
+        models[name] = m = llmlib.load_model(path, "cpu", dtype, q)
         rows[name] = {"name": name, "dtype": dtype, "quantization": q, "compiled": comp}
         if comp:
             compiled.add(name)

@@ -60,13 +60,12 @@ def parse_formats(text: str) -> list[tuple[str, bool]]:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads from the weights: every matrix it multiplies by as stored
     (packed codes and scales, or the dense matrix), the norms, one embedding row."""
-    from llmlib.quantize import PackedWeight, weight_matrices
+    from llmlib.kernels.prepare import read_bytes, weight_matrices
 
     mats = weight_matrices(model)
     total = 0
     for mod in mats.values():
-        w = mod.weight
-        total += w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+        total += read_bytes(mod.weight)
     for p in model.parameters():
         if p.dim() == 1:
             total += p.numel() * p.element_size()
@@ -311,9 +310,8 @@ def breakdown(
     stored, and the same format's 30-layer skeleton (overhead), plus the bytes the step reads."""
     import llmlib
     from llmlib.bench.roofline import decode_breakdown, overhead_model
-    from llmlib.kernels.linear import prepare_cpu_weights
+    from llmlib.kernels.prepare import prepare, quantize_model
     from llmlib.model import random_model
-    from llmlib.quantize import quantize_model
 
     out = {}
     for name in names:
@@ -323,7 +321,7 @@ def breakdown(
         if q is not None:
             quantize_model(skeleton, "int4" if q == "gguf" else q)
         else:
-            prepare_cpu_weights(skeleton)
+            prepare(skeleton)
         bd = decode_breakdown(model, skeleton, context, reps)
         out[name] = {
             **bd,
@@ -334,30 +332,35 @@ def breakdown(
     return out
 
 
+def _weight_matrices(model: torch.nn.Module) -> dict:
+    from llmlib.kernels.prepare import weight_matrices
+
+    return weight_matrices(model)
+
+
 def fp32_copy_check(
     run_continuous, model, tokenizer, requests, con, *engine_args, log=print
 ) -> dict | None:
     """Whether a second, oneDNN-blocked copy of a float32 CPU model's matrices
-    (:func:`llmlib.kernels.linear.pack_weights`, used for multi-row products) pays for itself: the
-    continuous run again with it (or without it, where the loader made it), in the same run, and
-    the bytes it costs: the measurement behind the loader's choice
-    (:func:`llmlib.kernels.linear.onednn_float32_preferred`)."""
-    from llmlib.kernels.linear import _packing_available, is_packed, pack_weights, unpack_weights
+    (:class:`llmlib.kernels.weights.Float32Weight`'s ``blocked``, used for multi-row products)
+    pays for itself: the continuous run again with it (or without it, where the loader made it),
+    in the same run, and the bytes it costs: the measurement behind the loader's choice
+    (:attr:`llmlib.kernels.flags.Flags.onednn_float32`)."""
+    from llmlib.kernels.prepare import blocked_copies
+    from llmlib.kernels.weights import Float32Weight
 
-    mats = [p for p in model.parameters() if p.dim() == 2]
-    if (
-        not mats
-        or not _packing_available()
-        or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in mats)
-    ):
+    mats = [m.weight for m in _weight_matrices(model).values()]
+    if not mats or not all(isinstance(w, Float32Weight) for w in mats):
         return None
-    was_packed = any(is_packed(p) for p in mats)  # the main run had the copy: time it without
-    extra = sum(p.numel() * p.element_size() for p in mats)  # the copy is as big as the matrices
-    (unpack_weights if was_packed else pack_weights)(model)
+    if not torch.backends.mkldnn.is_available():
+        return None
+    was_packed = any(w.blocked is not None for w in mats)  # the main run had the copy
+    extra = sum(w.w.numel() * 4 for w in mats)  # the copy is as big as the matrices
+    blocked_copies(model, not was_packed)
     try:
         other = run_continuous(model, tokenizer, requests, *engine_args)
     finally:
-        (pack_weights if was_packed else unpack_weights)(model)
+        blocked_copies(model, was_packed)
     total = sum(r.max_tokens for r in requests)
     main, second = total / con["seconds"], total / other["seconds"]
     w, wo = (main, second) if was_packed else (second, main)

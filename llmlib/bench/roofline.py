@@ -90,8 +90,9 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
     layer's matrices, then the LM head, which is the embedding table when tied), back to back with no
     model code in between; and the bytes of those matrices. Its time is the matmul kernels' own share
     of a decode step: its gap to the roofline is kernel efficiency, its gap to the real step is the rest."""
-    from llmlib.kernels.linear import linear
-    from llmlib.quantize import PackedWeight, weight_matrices
+    import torch.nn.functional as F
+
+    from llmlib.kernels.prepare import read_bytes, weight_matrices
 
     # every product weight in the order a step reads them; dense or packed (int8/int4 codes)
     mats = [m.weight for m in weight_matrices(model).values()]
@@ -102,11 +103,10 @@ def weight_stream(model: torch.nn.Module, batch: int = 1) -> tuple[Any, int]:
 
     def stream() -> None:
         for w in mats:
-            linear(xs[w.shape[1]], w)
+            x = xs[w.shape[1]]
+            F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
 
-    nbytes = sum(
-        w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in mats
-    )
+    nbytes = sum(read_bytes(w) for w in mats)
     return stream, nbytes
 
 

@@ -8,8 +8,11 @@ it. A mistake is a ``ValueError`` naming the tensor (in the checkpoint's own nam
 gives one) or the field, never a model with some weights silently left at random. Only
 ``safetensors`` and ``gguf`` are read: never pickle.
 
-The model is first built on PyTorch's ``meta`` device (shapes, no memory, no random init), then
-handed the checkpoint's tensors on the target device and dtype.
+The model is first built on PyTorch's ``meta`` device (shapes, no memory, no random init). Its
+small tensors (norms, biases) are then read in; each weight matrix is read from the file only
+when :func:`llmlib.kernels.prepare.prepare` stores it, straight into its final layout (a GGUF
+file's blocks as codes, never as floats first), one matrix at a time: loading a model costs
+about what the loaded model holds, however big the file.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from typing import Any
 
 import torch
 
+from llmlib.checkpoints.lazy import materialize, read_checkpoint_lazy
 from llmlib.config import ModelConfig
 from llmlib.device import choose
 from llmlib.dtypes import QUANTIZATIONS
-from llmlib.kernels.linear import prepare_cpu_weights, use_matvec_layout
+from llmlib.kernels.prepare import Format, prepare, weight_matrices
 from llmlib.model import Transformer
-from llmlib.quantize import quantize_model
 from llmlib.shapes import param_shapes
 
 
@@ -78,24 +81,38 @@ def load_model(
     quantization: str | None = None,
     *,
     group_size: int = 32,
+    progress: bool | None = None,
 ) -> Transformer:
     """Load a Hugging Face folder or a ``.gguf`` file as a :class:`Transformer` in eval mode.
 
     Defaults: CUDA and bfloat16 when a GPU is visible, else the CPU and float32
     (:func:`llmlib.device.choose`). ``quantization``: ``None`` (weights in ``dtype``), ``"int8"``
     (one scale per output channel), ``"int4"`` (``group_size`` weights per scale and zero point)
-    or ``"gguf"`` (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, repacked:
-    :mod:`llmlib.checkpoints.repack`); the weights are then held only in the packed layout
-    (:mod:`llmlib.quantize`), and ``dtype`` is the activations' (bfloat16 by default where the
-    kernels are fast, :func:`llmlib.device.pick_dtype`).
+    or ``"gguf"`` (a GGUF file's own blocks as codes, :mod:`llmlib.checkpoints.repack`, never
+    re-quantized); the weights are then held only in the packed layout, and ``dtype`` is the
+    activations' (bfloat16 by default where the kernels are fast, :func:`llmlib.device.pick_dtype`).
+    Each matrix is read from the file when it is packed, so the float weights of a quantized
+    model never exist whole (``progress``: a bar per matrix, by default for files over a GB).
     """
-    if quantization == "gguf" and Path(path).suffix != ".gguf":
+    path = Path(path).expanduser()
+    if quantization == "gguf" and path.suffix != ".gguf":
         raise ValueError(
-            f"{Path(path).name}: quantization='gguf' repacks a .gguf file's blocks; this is not "
+            f"{path.name}: quantization='gguf' repacks a .gguf file's blocks; this is not "
             "one (use 'int8' or 'int4')"
         )
-    blocks: dict | None = {} if quantization == "gguf" else None
-    cfg, state, name_of = read_checkpoint(path, blocks=blocks)
+    cfg, state, name_of = read_checkpoint_lazy(path)
+    blocks = None
+    if quantization == "gguf":
+        from llmlib.checkpoints.lazy import lazy_gguf_blocks
+
+        blocks = lazy_gguf_blocks(path, cfg)
+        if not blocks:
+            raise ValueError(
+                f"{path.name}: quantization='gguf': the file stores no block-quantized matrix "
+                "(its weights are float); load it without a quantization, or with 'int8'/'int4'"
+            )
+    if progress is None:
+        progress = _size(path) > 1 << 30
     try:
         return build_model(
             cfg,
@@ -106,24 +123,33 @@ def load_model(
             quantization=quantization,
             group_size=group_size,
             blocks=blocks,
+            progress=progress,
         )
     except ValueError as e:
-        raise ValueError(f"{Path(path).name}: {e}") from None
+        raise ValueError(f"{path.name}: {e}") from None
+
+
+def _size(path: Path) -> int:
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
 
 
 def build_model(
     cfg: ModelConfig,
-    state: dict[str, torch.Tensor],
+    state: dict[str, Any],
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     *,
     name_of: Callable[[str], str] = str,
     quantization: str | None = None,
     group_size: int = 32,
-    blocks: dict | None = None,
+    blocks: dict[str, Callable[[], tuple[str, torch.Tensor]]] | None = None,
+    progress: bool = False,
 ) -> Transformer:
-    """Check ``state`` (llmlib names) against ``cfg`` and return a model holding exactly those weights
-    (then, with ``quantization``, holding them packed: :func:`llmlib.quantize.quantize_model`)."""
+    """Check ``state`` (llmlib names; tensors, or lazy ones read when needed) against ``cfg`` and
+    return a model holding exactly those weights, each matrix stored for this machine
+    (:func:`llmlib.kernels.prepare.prepare`). ``blocks`` maps a GGUF matrix's llmlib name to a
+    reader of its raw blocks: with ``quantization="gguf"`` those matrices become codes."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(
             f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
@@ -133,70 +159,53 @@ def build_model(
         raise ValueError(f"dtype {place.dtype} cannot hold activations")
     check_state_dict(cfg, state, name_of)
     model = Transformer(cfg, device="meta")
-    # Hand the checkpoint's own tensors to the model (assign=True) instead of allocating and copying:
-    # on this kind of machine first-touching half a gigabyte of fresh memory costs seconds.
-    # The pre-load hooks concatenate q/k/v and gate/up into their fused matrices on the way in.
-    # A quantizer reads the checkpoint's own precision (codes from bfloat16-rounded weights would
-    # differ from the float32 ones at every rounding boundary); the rest is cast after packing.
-    load_dtype = torch.float32 if quantization else place.dtype
-    state = {k: v.to(device=place.device, dtype=load_dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    matrices = weight_matrices(model)
+    parts = {p for name in matrices for p in _parts(name)}
+    if not cfg.tie_embeddings:
+        parts.add("embed.weight")  # the table: prepare reads it (a GGUF file may keep codes)
+    # The small tensors (norms, biases) now, on the target device and dtype; the pre-load hooks
+    # concatenate q/k/v biases into the fused one on the way in.
+    small = {
+        k: materialize(v).to(device=place.device, dtype=place.dtype)
+        for k, v in state.items()
+        if k not in parts
+    }
+    model.load_state_dict(small, strict=False, assign=True)
+    del small
     model.reset_rotary(place.device)  # the cos/sin tables come from the config, never loaded
-    model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
-    if quantization is not None:
-        codes = None
-        if quantization == "gguf":
-            from llmlib.checkpoints.repack import model_codes
-            from llmlib.quantize import weight_matrices
+    describe = _describe(name_of)
 
-            codes = model_codes(list(weight_matrices(model)), blocks or {})
-            if not codes:
-                raise ValueError("quantization='gguf': the file stores no Q4_0/Q4_1/Q8_0 matrix")
-        del state
-        quantize_model(
-            model,
-            quantization,
-            group_size=group_size,
-            codes=codes,
-            describe=_describe(name_of),
-            dtype=place.dtype,
-        )
-        for p in model.parameters():  # the norms and any matrix left dense (not the RoPE tables)
-            p.data = p.data.to(place.dtype)
-        model.weight_format = _format_name(model, quantization)
-        use_matvec_layout(model)  # the matrices left dense (a gguf file's float ones)
-        return model.eval()
-    model.weight_format = str(place.dtype).removeprefix("torch.")
-    prepare_cpu_weights(model)  # CPU only: decode and batch layouts (llmlib.kernels.linear)
+    def source(name: str) -> Any:
+        keys = _parts(name)
+        if blocks is not None and all(k in blocks for k in keys):
+            from llmlib.checkpoints.repack import model_codes
+
+            codes = model_codes([name], {k: blocks[k]() for k in keys})
+            if name in codes:
+                return codes[name]
+        mats = [materialize(state[k]) for k in keys]
+        return mats[0] if len(mats) == 1 else torch.cat(mats)
+
+    fmt = Format(place.device, place.dtype, quantization, group_size)
+    prepare(model, fmt, source, describe=describe, progress=progress)
+    model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     return model.eval()
+
+
+def _parts(module: str) -> list[str]:
+    """The checkpoint tensors a weight matrix of the model is made of (q, k, v for ``wqkv``)."""
+    from llmlib.checkpoints.repack import _parts as parts
+
+    return [module + ".weight"] if module == "embed" else parts(module)
 
 
 def _describe(name_of: Callable[[str], str]) -> Callable[[str], str]:
     """A fused matrix in the checkpoint's names of its parts (for error messages)."""
-    from llmlib.checkpoints.repack import _parts
 
     def describe(key: str) -> str:
-        parts = _parts(key.removesuffix(".weight"))
-        return " + ".join(name_of(p) for p in parts)
+        return " + ".join(name_of(p) for p in _parts(key.removesuffix(".weight")))
 
     return describe
-
-
-def _format_name(model: Transformer, quantization: str) -> str:
-    """``"gguf (int4 g32 x 210, int8 x 1) / bfloat16"``: what the weights are held in."""
-    from collections import Counter
-
-    from llmlib.quantize import PackedWeight, weight_matrices
-
-    kinds: Counter[str] = Counter()
-    for mod in weight_matrices(model).values():
-        w = mod.weight
-        if isinstance(w, PackedWeight):
-            kinds[w.label] += 1
-        else:
-            kinds[str(w.dtype).removeprefix("torch.")] += 1
-    inner = ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
-    return f"{quantization} ({inner}) / {str(model.dtype).removeprefix('torch.')}"
 
 
 def check_state_dict(

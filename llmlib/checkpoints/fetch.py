@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -27,8 +26,11 @@ class FetchError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where fetched models live: ``$LLMLIB_CACHE`` or ``~/.cache/llmlib``."""
-    return Path(os.environ.get("LLMLIB_CACHE") or Path.home() / ".cache" / "llmlib").expanduser()
+    """Where fetched models live: ``$LLMLIB_CACHE`` or ``~/.cache/llmlib``
+    (:attr:`llmlib.kernels.flags.Flags.cache`)."""
+    from llmlib.kernels.flags import flags
+
+    return flags().cache
 
 
 def sha256(path: Path, chunk: int = 1 << 20) -> str:

@@ -283,3 +283,41 @@ def read_checkpoint_lazy(
     raise ValueError(
         f"{path} is neither a .gguf file nor a folder with config.json and safetensors"
     )
+
+
+def lazy_gguf_blocks(
+    path: str | Path, cfg: ModelConfig
+) -> dict[str, Callable[[], tuple[str, torch.Tensor]]]:
+    """``{llmlib name: reader}`` for every block-quantized matrix of a GGUF file: each reader
+    returns ``(type name, uint8 [rows, bytes per row])``, the rows in llmlib's order (a query or
+    key matrix's heads un-permuted, row by row: its blocks are whole rows). Nothing is read
+    until a reader is called (:func:`llmlib.checkpoints.build.build_model` calls each once)."""
+    from llmlib.checkpoints.gguf import PERMUTED_QK, llmlib_name, open_gguf, unpermute_qk
+    from llmlib.checkpoints.quant import block_format
+
+    reader = open_gguf(Path(path))
+    permuted = reader.architecture in PERMUTED_QK
+
+    def read(info: Any, heads: int | None) -> tuple[str, torch.Tensor]:
+        fmt = block_format(info.ggml_type, info.name)
+        try:
+            raw = np.asarray(reader.raw(info.name), dtype=np.uint8).reshape(info.shape[0], -1)
+        except (TypeError, ValueError, OSError) as e:  # a memory map cut short
+            raise ValueError(
+                f"{info.name}: cannot read its data ({e}); the file is truncated or corrupt"
+            ) from e
+        rows = torch.from_numpy(raw.copy())
+        return fmt.name, (rows if heads is None else unpermute_qk(rows, heads)).contiguous()
+
+    out: dict[str, Callable[[], tuple[str, torch.Tensor]]] = {}
+    for t in reader.tensors.values():
+        ours = llmlib_name(t.name)
+        if ours is None or len(t.shape) != 2 or block_format(t.ggml_type, t.name).block_size == 1:
+            continue
+        heads = None
+        if permuted and ours.endswith("attn.wq.weight"):
+            heads = cfg.n_heads
+        elif permuted and ours.endswith("attn.wk.weight"):
+            heads = cfg.n_kv_heads
+        out[ours] = functools.partial(read, t, heads)
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from llmlib.engine.paged_cache import DecodeGroup, PagedKVCache, SeqChunk, StepLayout, paged_attend
-from llmlib.model.attention import AttentionFn
+from llmlib.model.attention import AttentionSpec
 
 
 class StaticDecodeStep:
@@ -74,14 +74,12 @@ class StaticDecodeStep:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention: AttentionFn,
-        *,
+        spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
-        window: int | None = None,
     ) -> torch.Tensor:
-        """The paged step's attention over this layout; a sliding ``window`` is a mask computed
+        """The paged step's attention over this layout; a sliding window is a mask computed
         from the position buffer on the device, so a captured graph applies it on every replay."""
-        return paged_attend(self.cache, self.layout, layer, q, k, v, attention, window)
+        return paged_attend(self.cache, self.layout, layer, q, k, v, spec)
 
     def fill(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> None:
         """Copy one step's decode chunks (``length == 1``) and their input tokens into the buffers."""

@@ -14,7 +14,7 @@ recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM
 mode:
 
 * weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded
-  (:func:`llmlib.kernels.linear.fixed_row_tiles`): the kernel always sees the same shape, and row ``i``
+  (:func:`llmlib.kernels.prepare.row_tiled`): the kernel always sees the same shape, and row ``i``
   of a product depends only on row ``i`` of its input;
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
 * attention (:class:`InvariantStep`) cuts every sequence's queries into tiles of ``Q_TILE``
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
-from llmlib.model.attention import AttentionFn, soft_cap
+from llmlib.model.attention import AttentionSpec, soft_cap
 
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
 ROW_TILE = 32
@@ -147,26 +147,24 @@ class InvariantStep(PagedStep):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention: AttentionFn,
-        *,
+        spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
-        window: int | None = None,
     ) -> torch.Tensor:
         """Write the new keys and values, then tiled attention for every query ``[B, H, T, hd]``.
 
-        ``attention`` is only read for its options (a family's ``scale`` and ``softcap``); the
-        computation is this method's own, so that its order is fixed here.
+        ``spec`` is only read for its options (a family's ``scale``, ``softcap`` and ``window``);
+        the computation is this method's own, so that its order is fixed here.
         """
         write_kv(self.cache, self.layout, layer, k, v)
-        opts = getattr(attention, "keywords", {}) or {}
+        window = spec.window
         B, H, T, D = q.shape
         Hkv, qt, kt = self.cache.n_kv_heads, self.q_tile, self.k_tile
         rep = H // Hkv
         tl = self.tiles
         U = tl.q_pos.shape[0]
         R = rep * qt
-        scale = opts.get("scale") or D**-0.5
-        softcap = opts.get("softcap")
+        scale = spec.scale or D**-0.5
+        softcap = spec.softcap
         flat = q.transpose(1, 2).reshape(B * T, H, D)
         flat = torch.cat([flat, flat.new_zeros(1, H, D)])  # the padding row
         # [U, qt, Hkv, rep, D] -> [U, Hkv, rep * qt, D]: the query heads sharing a KV head

@@ -15,11 +15,11 @@ def load_engine_model(
     dtype: torch.dtype | str | None,
     quantization: str | None,
 ) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` in the format asked for, int8/int4 matrices stored for batches
-    (:func:`for_batches`). A path with neither ``dtype`` nor
+    """``(model, tokenizer)`` in the format asked for. A path with neither ``dtype`` nor
     ``quantization`` gets the fastest format whose perplexity stays within 1% of float32 on this
     machine, for batches (:func:`llmlib.device.choose_format`); a loaded model is moved and
-    quantized only where asked."""
+    quantized only where asked, and a model that was built rather than loaded gets its matrices
+    stored for this machine's kernels (:func:`llmlib.kernels.prepare.prepare`)."""
     if isinstance(model, (str, Path)):
         from llmlib.checkpoints import load_model, load_tokenizer_for
         from llmlib.device import choose_format
@@ -31,29 +31,20 @@ def load_engine_model(
         loaded = load_model(path, place.device, place.dtype, quantization)
         if tokenizer is None:
             tokenizer = load_tokenizer_for(path, required=False)
-        return for_batches(loaded), tokenizer
+        return loaded, tokenizer
     if isinstance(model, torch.nn.Module):
+        from llmlib.kernels.prepare import prepare, quantize_model
+
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None)
         if quantization is not None:
-            from llmlib.quantize import quantize_model
-
-            model = for_batches(quantize_model(model, quantization))
+            model = quantize_model(model, quantization)
+        elif not hasattr(model, "weight_format"):
+            prepare(model)
         return model, tokenizer
     raise TypeError(
         f"LLM: model must be a path or a loaded Transformer, got {type(model).__name__}"
     )
-
-
-def for_batches(model: torch.nn.Module) -> torch.nn.Module:
-    """Store a CPU model's int8/int4 matrices for many-row products (:func:`llmlib.kernels.integer.repack_model`:
-    integer dot products, where this CPU has them); a no-op for float models and other devices.
-    Only models the engine quantized or loaded itself: a model handed in already quantized may
-    be shared with an eager batch-1 Generator, which reads PyTorch's layouts as the reference."""
-    from llmlib.kernels.integer import repack_model
-
-    repack_model(model)
-    return model
 
 
 def default_num_blocks(

@@ -15,14 +15,15 @@ chunks of sequences scheduled in it. It implements the cache contract two ways:
   gather each row's blocks, and return a mask saying which query may see which key (the same
   sequence, at or before its position). Several sequences may share a row back to back; the mask
   is then block-diagonal. Simple, and exactly attention over a contiguous cache.
-* ``out = step.attend(layer, q, k, v, attention)`` — what the engine uses. The step knows where
+* ``out = step.attend(layer, q, k, v, spec)`` — what the model calls (the layer's contract,
+  :class:`llmlib.model.attention.KVCacheLike`). The step knows where
   each sequence's tokens sit, so it computes attention sequence by sequence: a prefill chunk
   attends over its own sequence's keys (causal), and the single-token (decode) chunks go through
   batched calls, on a CPU one kernel that reads each sequence's blocks in place
   (:mod:`llmlib.kernels.paged_attention`). So every token of a step, prefill or decode, shares one row.
 
-A sliding-window layer (Mistral, Gemma's local layers) passes ``window=W`` to either method; the
-masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
+A sliding-window layer (Mistral, Gemma's local layers) has ``spec.window = W`` (``update`` takes
+``window=W``); the masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
 sequence stays allocated as for a full layer (freeing blocks that left every layer's window is a
 saving this engine does not make).
 """
@@ -35,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from llmlib.kernels.paged_attention import decode_attention, fused_options, serves_pool
-from llmlib.model.attention import AttentionFn
+from llmlib.kernels.paged_attention import decode_attention, serves_pool, serves_spec
+from llmlib.model.attention import AttentionSpec
 from llmlib.shapes import kv_cache_bytes
 
 
@@ -189,14 +190,13 @@ def paged_attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attention: AttentionFn,
-    window: int | None = None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
     sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
 
-    ``attention(q, k, v, mask)`` is one of :mod:`llmlib.model.attention`'s functions (``mask=None``:
-    causal, aligned to the end). A multi-token chunk is one call over its sequence's keys; the
+    ``spec(q, k, v, mask)`` is the layer's attention (``mask=None``: causal, aligned to the end,
+    within ``spec.window``). A multi-token chunk is one call over its sequence's keys; the
     single-token chunks are the kernel's one call or batched calls over their gathered blocks,
     masked where a row's keys end early (or, with a sliding ``window``, begin late).
     """
@@ -209,14 +209,17 @@ def paged_attend(
         kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
         vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
         # [1, H, n, D]
-        o = attention(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc, None)
+        o = spec(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc)
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
-    fast = fused_options(attention) if cache.kernel else None
+    fast = cache.kernel and serves_spec(spec)
+    window = spec.window
     for g in layout.decodes:
         n = len(g.rows)
-        if fast is not None and g.lens is not None:  # straight out of the pool, one pass
+        if fast and g.lens is not None:  # straight out of the pool, one pass
             qd, table = q[g.rows, :, g.cols], g.table.view(n, -1)  # qd [n, H, D]; [n, blocks]
-            o = decode_attention(qd, kp, vp, table, g.lens, window=window, **fast)
+            o = decode_attention(
+                qd, kp, vp, table, g.lens, scale=spec.scale, softcap=spec.softcap, window=window
+            )
             out[g.rows, g.cols] = o
             continue
         # One query per head, and query head h reads KV head h // (H / Hkv): so the query heads
@@ -230,12 +233,12 @@ def paged_attend(
             q_pos = layout.positions[g.rows, g.cols].view(n, 1, 1, 1)
             k_pos = torch.arange(g.n_blocks * bs, device=q.device)
             mask = mask & (k_pos > q_pos - window)
-        out[g.rows, g.cols] = attention(qd, kd, vd, mask).reshape(n, H, D)
+        out[g.rows, g.cols] = spec(qd, kd, vd, mask).reshape(n, H, D)
     return out.transpose(1, 2)
 
 
 class PagedStep:
-    """The cache of one forward pass over the paged pool (an ``AttendingCache`` and a ``KVCacheLike``).
+    """The cache of one forward pass over the paged pool (a :class:`~llmlib.model.attention.KVCacheLike`).
 
     Everything is worked out once, on the host, when the step is built (a few hundred integers),
     and moved to the device once (:class:`StepLayout`); the layers then only index with it.
@@ -316,13 +319,11 @@ class PagedStep:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention: AttentionFn,
-        *,
+        spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
-        window: int | None = None,
     ) -> torch.Tensor:
         """The fast path, sequence by sequence: :func:`paged_attend`."""
-        return paged_attend(self.cache, self.layout, layer, q, k, v, attention, window)
+        return paged_attend(self.cache, self.layout, layer, q, k, v, spec)
 
     # ---- the contract: hand back keys, values and a mask ----------------------------------------
     def update(

@@ -9,7 +9,6 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.sequence import ScheduledChunk, Sequence
 from llmlib.model import Transformer
-from llmlib.model.attention import AttendingCache
+from llmlib.model.attention import KVCacheLike
 from llmlib.runtime.compile import compile_engine_step, engine_forward
 from llmlib.sampling import sample
 from llmlib.speculative.verify import accept_greedy, accept_sampled, distributions
@@ -49,7 +48,13 @@ class ModelRunner:
         if batch_invariant:
             cuda_graphs = False  # the fixed-shape decode step uses the default attention
         p = next(model.parameters())
-        self.model, self.device, self.dtype = model, p.device, p.dtype
+        self.device, self.dtype = p.device, model.dtype
+        if batch_invariant:  # every product in fixed row tiles, on a view sharing the weights
+            from llmlib.engine.invariant import ROW_TILE
+            from llmlib.kernels.prepare import row_tiled
+
+            model = row_tiled(model, ROW_TILE)
+        self.model = model
         forward = self._forward_rows
         if compile:
             if batch_invariant or self.device.type != "cpu":
@@ -105,7 +110,7 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def _forward_rows(
-        self, ids: torch.Tensor, positions: torch.Tensor, step: AttendingCache
+        self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheLike
     ) -> torch.Tensor:
         """The forward pass a fixed-shape decode step runs (and a CUDA graph records): logits [rows, V]."""
         return engine_forward(self.model, ids, positions, step)
@@ -127,22 +132,18 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The forward pass itself, on block tables and token ids alone (what a tensor-parallel
         worker, which has no sequences, runs too): logits [len(select), V] at ``select``."""
-        tiles: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.batch_invariant:
-            from llmlib.engine.invariant import ROW_TILE, InvariantStep
-            from llmlib.kernels.linear import fixed_row_tiles
+            from llmlib.engine.invariant import InvariantStep
 
             step = InvariantStep(self.cache, [chunks])
-            tiles = fixed_row_tiles(ROW_TILE)
         else:
             step = self.cache.step([chunks])
         self.forward_passes += 1
         ids_t = torch.tensor([ids], dtype=torch.long).to(self.device)
         sel = torch.as_tensor(select, dtype=torch.long).to(self.device)
-        with tiles:
-            h = self.model.hidden(ids_t, step.positions, step)
-            # the LM head (vocab x d_model) only where a token is sampled: the last of each prompt
-            return self.model.logits(h[0].index_select(0, sel))
+        h = self.model.hidden(ids_t, step.positions, step)
+        # the LM head (vocab x d_model) only where a token is sampled: the last of each prompt
+        return self.model.logits(h[0].index_select(0, sel))
 
     @torch.inference_mode()
     def execute(

@@ -1,7 +1,7 @@
-"""int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI, or AVX2), for the
-batching engine: the activations are rounded to int8 in blocks of 32, as llama.cpp does.
+"""int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI, or AVX2): the
+activations are rounded to int8 in blocks of 32, as llama.cpp does.
 
-PyTorch's CPU weight-only kernels (:class:`llmlib.quantize.Int8Weight`, ``Int4Weight``) turn
+PyTorch's CPU weight-only kernels (:class:`llmlib.kernels.weights.Int8Weight`, ``Int4Weight``) turn
 each stored code into a float before multiplying, so at many rows (a prefill chunk, a batch of
 decoding sequences) they are bound by float arithmetic. A CPU with VNNI multiplies bytes by
 bytes, 64 pairs per instruction into 16 int32 sums (AVX2 needs two instructions for 32 pairs),
@@ -12,17 +12,18 @@ weight's. That is no longer weight-only: it adds the
 activations' rounding error, which ``llmlib bench batching`` measures as perplexity against
 float32 beside each format's speed.
 
-Where it is used: :func:`repack_model`, which :class:`llmlib.LLM` applies to the int8/int4/gguf
-models it loads on a CPU, and which a compiled batch-1 :class:`~llmlib.generate.Generator`
-applies to its model (:func:`llmlib.runtime.compile.compile_decode`: the graph calls the kernels as
-extern operators). The eager Generator keeps PyTorch's weight-only layouts, the reference.
+Where it is used: every int8, int4 and gguf matrix on a CPU where the kernels run and its shape
+fits, in the batch-1 :class:`~llmlib.generate.Generator` (eager or compiled: the graph calls the
+kernels as extern operators) and in the batching engine alike
+(:func:`llmlib.kernels.prepare.prepare` decides it once, at load). ``LLMLIB_INTEGER=0`` keeps
+PyTorch's weight-only layouts instead, the reference the tests compare these with.
 
 The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), compiled once per machine by
 ``torch.utils.cpp_extension`` into its cache and loaded as the operators
 ``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear``. They run where all of this holds: a CPU
 with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler, output widths
 that are multiples of 64 and input widths (and int4 groups) that are multiples of 32 (real
-models' are), and ``LLMLIB_VNNI`` not set to ``0``. Elsewhere a matrix keeps PyTorch's kernel,
+models' are), and ``LLMLIB_INTEGER`` not set to ``0``. Elsewhere a matrix keeps PyTorch's kernel,
 with the same numbers as before.
 
 Layout (what :func:`pack_int8` / :func:`pack_int4` write): tiles of 64 output channels; inside a
@@ -35,13 +36,14 @@ high nibble), with each group's ``w = d * q + m`` constants in float16.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from llmlib.kernels import native
-from llmlib.kernels.native import AVX512, cpu_flags
-from llmlib.quantize import ChannelCodes, GroupCodes, PackedWeight
+from llmlib.kernels.flags import flags
+from llmlib.kernels.native import AVX512
+from llmlib.kernels.weights import PackedWeight
+from llmlib.quantize import ChannelCodes, GroupCodes
 
 TILE = 64  # output channels per tile
 BLOCK = 32  # activation values per int8 scale
@@ -50,15 +52,15 @@ _NAME = "llmlib_vnni"
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU reports AVX-512 VNNI (with the BW and VL extensions the kernels use)."""
-    return native.has_avx512() and "avx512_vnni" in cpu_flags()
+    f = flags()
+    return f.isa == "avx512" and f.has_vnni
 
 
 def isa() -> str | None:
-    """Which build of the kernels this CPU runs: ``"avx512vnni"``, ``"avx2"`` (two instructions
-    per byte product, ``vpmaddubsw`` + ``vpmaddwd``) or None."""
-    if cpu_has_vnni():
-        return "avx512vnni"
-    return "avx2" if native.has_avx2() else None
+    """Which build of the kernels runs here (:attr:`llmlib.kernels.flags.Flags.integer`):
+    ``"avx512vnni"``, ``"avx2"`` (two instructions per byte product, ``vpmaddubsw`` +
+    ``vpmaddwd``) or None (``LLMLIB_INTEGER=0``: PyTorch's weight-only kernels)."""
+    return {"vnni": "avx512vnni", "avx2": "avx2"}.get(flags().integer)
 
 
 @functools.cache
@@ -76,9 +78,7 @@ def _load(which: str) -> bool:
 def available() -> bool:
     """Whether the VNNI kernels can run here (builds them on the first call that needs them)."""
     which = isa()
-    if os.environ.get("LLMLIB_VNNI", "1") == "0" or which is None:
-        return False
-    return _load(which)
+    return which is not None and _load(which)
 
 
 def fits(shape: tuple[int, int], group_size: int | None = None) -> bool:
@@ -233,35 +233,13 @@ class VnniInt4Weight(_VnniWeight):
         return w.to(self.dtype)
 
 
-# ---- a whole model ---------------------------------------------------------------------------
-
-
-def repack_model(model: torch.nn.Module) -> int:
-    """Re-store every int8/int4 matrix of a CPU model (PyTorch's layouts) in VNNI tiles, in place,
-    where the kernels run and the shape fits; return how many. The same codes and constants:
-    only the activations' rounding is new."""
-    from llmlib.quantize import Int4Weight, Int8Weight, weight_matrices
-
-    todo = [
-        mod
-        for mod in weight_matrices(model).values()
-        if (
-            isinstance(mod.weight, Int8Weight)
-            or (isinstance(mod.weight, Int4Weight) and mod.weight.codes_readable)
-        )
-        and mod.weight.device.type == "cpu"
-        and fits(mod.weight.shape, getattr(mod.weight, "group_size", None))
-    ]
-    if not todo or not available():
-        return 0
-    for mod in todo:
-        w = mod.weight
-        cls = VnniInt8Weight if isinstance(w, Int8Weight) else VnniInt4Weight
-        new = cls(w.to_codes(), w.dtype)
-        del mod.weight
-        mod.weight = new
-    if isinstance(getattr(model, "weight_format", None), str):  # the timing line's name for it
-        from llmlib.checkpoints.build import _format_name
-
-        model.weight_format = _format_name(model, model.weight_format.split(" ")[0])
-    return len(todo)
+def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight | None:
+    """``codes`` in this module's layout, multiplied in ``dtype`` activations, where the kernels
+    run here and the shape fits; None elsewhere (the caller keeps PyTorch's layout)."""
+    if not available():
+        return None
+    if isinstance(codes, ChannelCodes):
+        return VnniInt8Weight(codes, dtype) if fits(codes.shape) else None
+    if codes.bits == 4 and fits(codes.shape, codes.group_size):
+        return VnniInt4Weight(codes, dtype)
+    return None

@@ -7,8 +7,9 @@ Four use this: :mod:`llmlib.kernels.integer` (int8/int4 products by integer dot 
 :func:`llmlib.model.norm.rms_norm` (RMSNorm in one pass per row). The first three are built for AVX-512
 or, on CPUs without it, for AVX2; the last needs AVX-512. All are optional: where the CPU lacks
 the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
-callers keep PyTorch's operators. ``LLMLIB_NATIVE_ISA=avx2`` builds and runs the AVX2 variants
-on a CPU that has AVX-512 too (how the tests check them on any x86 machine).
+callers keep PyTorch's operators. Which build runs is :attr:`llmlib.kernels.flags.Flags.isa`:
+``LLMLIB_NATIVE_ISA=avx2`` builds and runs the AVX2 variants on a CPU that has AVX-512 too, and
+``none`` turns them all off (how the tests check every path on any x86 machine).
 
 Every kernel splits its work with ``at::parallel_for``, which is OpenMP inside PyTorch's CPU
 build. The header only spreads work over threads when the extension itself is compiled with
@@ -18,14 +19,13 @@ the flags here always carry it (and the extension then shares PyTorch's thread c
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
-from llmlib.device import cpu_flags
+from llmlib.kernels.flags import flags
 
-__all__ = ["AVX2", "AVX512", "CSRC", "build", "cached", "cpu_flags", "has_avx2", "has_avx512"]
+__all__ = ["AVX2", "AVX512", "CSRC", "build", "cached", "has_avx2", "has_avx512", "isa"]
 
 CSRC = Path(__file__).parent / "csrc"
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -33,17 +33,24 @@ AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _COMMON = ["-O3", "-std=c++17", "-fopenmp"]
 
 
+def isa() -> str:
+    """Which build of the kernels runs here: ``"avx512"``, ``"avx2"`` or ``"none"``."""
+    return flags().isa
+
+
 def has_avx512() -> bool:
-    """Whether this CPU has the AVX-512 subsets (F, BW, VL) that every kernel here is built for,
-    and ``LLMLIB_NATIVE_ISA`` does not ask for the AVX2 variants instead."""
-    if os.environ.get("LLMLIB_NATIVE_ISA", "").lower() == "avx2":
-        return False
-    return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+    """Whether the AVX-512 builds (F, BW, VL) run here: the CPU has them and the flags allow it."""
+    return isa() == "avx512"
 
 
 def has_avx2() -> bool:
-    """Whether this CPU has AVX2 and FMA, the floor a kernel written for both ISAs is built for."""
-    return {"avx2", "fma"} <= cpu_flags()
+    """Whether a kernel written for both ISAs runs here (AVX2 and FMA at least)."""
+    return isa() in ("avx512", "avx2")
+
+
+def flags_for(which: str) -> list[str]:
+    """The compiler flags of one build."""
+    return AVX512 if which == "avx512" else AVX2
 
 
 def cached(name: str) -> bool:

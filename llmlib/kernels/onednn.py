@@ -3,7 +3,7 @@
 
 On a CPU with AMX or AVX512-BF16, oneDNN (PyTorch's CPU kernel library) multiplies a bfloat16
 matrix several times faster once it has been re-ordered into its own blocked layout, at one row
-(batch-1 decode) and at many (prefill, batches). :func:`llmlib.kernels.linear.pack_bfloat16` swaps each
+(batch-1 decode) and at many (prefill, batches). :func:`llmlib.kernels.prepare.prepare` stores each
 bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re-ordered.
 """
 
@@ -15,11 +15,21 @@ import weakref
 
 import torch
 
-from llmlib.quantize import PackedWeight
+from llmlib.kernels.flags import flags
+from llmlib.kernels.weights import PackedWeight
+
+
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether bfloat16 (or float32) matrices are held in oneDNN's blocked layout here: the flags
+    ask for it (:attr:`~llmlib.kernels.flags.Flags.onednn_bfloat16`, ``onednn_float32``) and
+    this PyTorch and CPU can (:func:`supported`)."""
+    f = flags()
+    wanted = f.onednn_float32 if dtype == torch.float32 else f.onednn_bfloat16
+    return wanted and supported(dtype)
 
 
 @functools.cache
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this PyTorch and CPU re-order ``dtype`` matrices for oneDNN: the op must exist, and
     oneDNN refuses its bfloat16 path on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an
     AVX2-only machine). Probed once on a small matrix, so the answer is PyTorch's own."""
@@ -38,8 +48,7 @@ class OneDNNWeight(PackedWeight):
     """A bfloat16 (or float32) matrix held only in oneDNN's blocked layout (what
     ``torch.compile`` makes of frozen CPU weights): AMX/AVX512-BF16 multiply it several times
     faster than a plain strided bfloat16 matrix, at one row or many. Not quantized: the same
-    numbers, re-ordered once. float32 is held this way on CPUs where MKL, PyTorch's float32
-    library, is slow (:func:`llmlib.kernels.linear.onednn_float32_preferred`).
+    numbers, re-ordered once.
 
     Inside ``torch.compile`` the product is the custom operator ``llmlib::onednn_linear``, which
     names the matrix by a number: the blocked tensor is opaque (no strides, no storage), so it

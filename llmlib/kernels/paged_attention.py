@@ -18,22 +18,23 @@ nothing of the keys' size is written and no sequence pays for another's padding 
 slots.
 
 It serves where all of this holds: a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or
-bfloat16 caches, a head size that is a multiple of 16, the layer's attention function being
-:func:`llmlib.model.attention.sdpa_attention` (with any score scale, soft cap or window), and
-``LLMLIB_PAGED_KERNEL`` not ``0``. Elsewhere PyTorch's operators run, as the reference the
-tests compare it with.
+bfloat16 caches, a head size that is a multiple of 16, the layer's
+:class:`~llmlib.model.attention.AttentionSpec` asking for the fused function (``backend ==
+"sdpa"``, with any score scale, soft cap or window: :func:`serves_spec`), and the flags allowing
+it (:attr:`llmlib.kernels.flags.Flags.paged_kernel`, ``LLMLIB_PAGED_KERNEL=0`` turns it off).
+Elsewhere PyTorch's operators run, as the reference the tests compare it with.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from llmlib.kernels import native
-from llmlib.model.attention import AttentionFn, sdpa_attention
+from llmlib.kernels.flags import flags
+from llmlib.model.attention import AttentionSpec
 
 _NAME = "llmlib_paged"
 
@@ -42,8 +43,9 @@ _NAME = "llmlib_paged"
 def _load() -> bool:
     # one source, built for AVX-512 where the CPU has it, else for AVX2 (named apart, so a cache
     # shared by two machines never hands one the other's instructions)
-    flags, isa = (native.AVX512, "avx512") if native.has_avx512() else (native.AVX2, "avx2")
-    if not native.build(f"{_NAME}_{isa}", "paged_attention.cpp", flags, "paged attention kernel"):
+    isa = native.isa()
+    cflags = native.flags_for(isa)
+    if not native.build(f"{_NAME}_{isa}", "paged_attention.cpp", cflags, "paged attention kernel"):
         return False
 
     @torch.library.register_fake("llmlib_paged::decode_attention")
@@ -55,9 +57,7 @@ def _load() -> bool:
 
 def available() -> bool:
     """Whether the kernel can run on this machine (builds it on the first call that needs it)."""
-    if os.environ.get("LLMLIB_PAGED_KERNEL", "1") == "0":
-        return False
-    return (native.has_avx512() or native.has_avx2()) and _load()
+    return flags().paged_kernel and native.has_avx2() and _load()
 
 
 def serves_pool(k_pool: torch.Tensor) -> bool:
@@ -70,17 +70,10 @@ def serves_pool(k_pool: torch.Tensor) -> bool:
     )
 
 
-def fused_options(attention: AttentionFn) -> dict | None:
-    """The ``scale``/``softcap`` an attention function carries, if it is the fused
-    one (possibly a ``functools.partial`` of it); None for any other (the book's naive and tiled
-    attention keep their own arithmetic)."""
-    kw: dict = {}
-    while isinstance(attention, functools.partial):
-        kw = {**attention.keywords, **kw}
-        attention = attention.func
-    if attention is not sdpa_attention or set(kw) - {"scale", "softcap", "window"}:
-        return None
-    return {k: v for k, v in kw.items() if k != "window"}  # the step passes the layer's window
+def serves_spec(spec: AttentionSpec) -> bool:
+    """Whether the kernel computes what ``spec`` asks: the fused function, whatever its scale,
+    soft cap or window (the book's naive and tiled attention keep their own arithmetic)."""
+    return spec.backend == "sdpa"
 
 
 def decode_attention(

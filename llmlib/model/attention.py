@@ -19,17 +19,19 @@ hands back a mask has already applied any window. Two more options some families
 (the score scale, default ``1 / sqrt(head_dim)``) and ``softcap`` (scores squashed to
 ``cap * tanh(score / cap)`` before the softmax, Gemma 2).
 
-:class:`Attention` is the layer: one fused projection to q, k, v; RoPE on q and k; the optional KV
-cache hook (``cache.update``); attention; the output projection ``wo``. It is one module, a
-little over the usual size, because chapter 5 builds it as one: the functions, the contract a
-cache implements and the layer that calls both, with every family's options threaded through.
+:class:`AttentionSpec` is how one layer attends: which of the three functions, and the options its
+family sets (scale, soft cap, sliding window), in one small frozen record. :class:`Attention` is the
+layer: one fused projection to q, k, v; RoPE on q and k; attention, through the KV cache when there
+is one (``cache.attend``, the contract :class:`KVCacheLike`); the output projection ``wo``. It is
+one module, a little over the usual size, because chapter 5 builds it as one: the functions, the
+contract a cache implements and the layer that calls both.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -37,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlib.config import ModelConfig
-from llmlib.kernels.linear import linear
 from llmlib.model.norm import RMSNorm
 from llmlib.model.rope import apply_rope
 
@@ -218,7 +219,37 @@ ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, mask) -> out, as the three functions above
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends: the function (``backend``) and the options its family sets.
+
+    ``scale`` (default ``1 / sqrt(head_dim)``), ``softcap`` (Gemma 2) and ``window`` (the keys a
+    query sees, itself included: Mistral, Gemma's local layers) are None where the family does not
+    set them. Calling the spec runs the function: ``spec(q, k, v, mask)``. A cache or a kernel
+    reads the fields it needs (a kernel serves ``backend == "sdpa"``), so nothing ever unwraps a
+    function to find out what it was asked to do.
+    """
+
+    backend: str = "sdpa"
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.backend!r}; one of {sorted(ATTENTION_BACKENDS)}"
+            )
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        fn = ATTENTION_BACKENDS[self.backend]
+        return fn(q, k, v, mask, scale=self.scale, window=self.window, softcap=self.softcap)
+
+    def using(self, backend: str) -> AttentionSpec:
+        """The same options with another function."""
+        return replace(self, backend=backend)
 
 
 # ---- the contract between the layer and a KV cache ------------------------------------------
@@ -227,14 +258,22 @@ AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, mask) -> out, as the thre
 class KVCacheLike(Protocol):
     """What an attention layer asks of a KV cache (the static one, the paged one, a test double).
 
-    ``update`` stores the new keys and values ``[B, Hkv, T, hd]`` of ``layer`` (RoPE already applied
-    to the keys) at ``positions`` ``[B, T]`` and returns every key and value the new queries may
-    attend over, ``[B, Hkv, S, hd]``, with a bool mask broadcastable to ``[B, 1, T, S]`` (True =
-    may attend) or None for plain causal attention over ``S == T`` keys.
+    ``attend`` stores the new keys and values ``[B, Hkv, T, hd]`` of ``layer`` (RoPE already
+    applied to the keys) at ``positions`` ``[B, T]`` and returns attention of the new queries
+    ``q [B, H, T, hd]`` over every key the cache holds for them, computed as ``spec`` says:
+    ``[B, H, T, hd]``.
 
-    A sliding-window layer passes ``window=W``: the mask must then also hide keys ``W`` or more
-    positions behind each query (None still means causal; the attention function applies the
-    window). A cache without ``window`` fails loudly on such a model instead of attending too far.
+    A cache that subclasses this contract only has to store: ``update`` writes the new keys and
+    values and hands back every key and value the new queries may see, ``[B, Hkv, S, hd]``, with
+    a bool mask broadcastable to ``[B, 1, T, S]`` (True = may attend; None: plain causal over
+    ``S == T`` keys), and the default ``attend`` runs ``spec`` over them. A cache that knows more
+    attends itself: the batching engine's paged step goes sequence by sequence, and on a CPU a
+    cache may run a kernel that reads its keys where they lie, whenever ``spec`` is one the
+    kernel computes.
+
+    A sliding-window layer (``spec.window = W``) calls ``update(..., window=W)``: the mask must
+    then also hide keys ``W`` or more positions behind each query. A cache without ``window``
+    fails loudly on such a model instead of attending too far.
     """
 
     def update(
@@ -247,25 +286,18 @@ class KVCacheLike(Protocol):
         window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
-
-class AttendingCache(Protocol):
-    """A cache that also computes attention itself, with the layer's attention function.
-
-    The batching engine's paged step does: it knows which sequence each packed token belongs to,
-    so it attends sequence by sequence instead of over one padded grid under a mask.
-    """
-
     def attend(
         self,
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention: AttentionFn,
-        *,
+        spec: AttentionSpec,
         positions: torch.Tensor | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        win = {} if spec.window is None else {"window": spec.window}
+        k_all, v_all, mask = self.update(layer, k, v, positions, **win)
+        return spec(q, k_all, v_all, mask)
 
 
 # ---- fused projections that still load and save under the contract's names ------------------
@@ -313,15 +345,12 @@ class Attention(nn.Module):
 
     State-dict names: ``wq``, ``wk``, ``wv``, ``wo`` (``.weight``, and ``.bias`` where the family
     has them), ``q_norm``/``k_norm`` (per-head RMSNorm gains, Qwen3 and Gemma 3). Internally q, k
-    and v come out of one fused matrix ``wqkv`` (see :func:`register_fused_linear`). The layer's
-    sliding window, score scale and soft cap come from the config (:attr:`attn_options`).
+    and v come out of one fused matrix ``wqkv`` (see :func:`register_fused_linear`). How the layer
+    attends (function, scale, soft cap, sliding window) is its :attr:`spec`.
 
-    The cache hook (:class:`KVCacheLike`): with ``cache`` given, after computing the new k and v
-    (RoPE already applied to k) the layer calls ``cache.update(layer_idx, k, v, positions)`` and
-    attends over whatever keys and values the cache hands back, under the mask it hands back. A
-    static cache, a paged cache or a test double all plug in here; the layer never knows which. An
-    :class:`AttendingCache` instead computes the attention itself with the layer's function: the
-    paged engine's does, to attend sequence by sequence in a packed batch.
+    With a ``cache`` (:class:`KVCacheLike`), the layer hands the cache its new q, k and v and
+    gets attention back: a static cache, a paged cache or a test double all plug in here, and
+    the layer never knows which.
     """
 
     def __init__(
@@ -331,19 +360,21 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.splits = [q_rows, kv_rows, kv_rows]
         self.wqkv = nn.Linear(cfg.d_model, q_rows + 2 * kv_rows, bias=cfg.qkv_bias, device=device)
         self.wo = nn.Linear(q_rows, cfg.d_model, bias=cfg.out_bias, device=device)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # one gain per channel of a head, shared by every head
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, cfg.norm_offset)
-        self.backend = "sdpa"  # or "naive" / "tiled": same numbers, for the book and the tests
-        self.window = cfg.window(layer_idx)  # None, or the keys a query sees (itself included)
-        #: what the attention function is called with beyond (q, k, v, mask); {} for Llama
-        opts = {"scale": cfg.attn_scale, "softcap": cfg.attn_softcap, "window": self.window}
-        self.attn_options = {k: val for k, val in opts.items() if val is not None}
+        self.spec = AttentionSpec(
+            scale=cfg.attn_scale, softcap=cfg.attn_softcap, window=cfg.window(layer_idx)
+        )
         register_fused_linear(self, "wqkv", [("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)])
+
+    @property
+    def window(self) -> int | None:
+        """The keys a query sees, itself included (None: every earlier one)."""
+        return self.spec.window
 
     def project_qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -357,7 +388,7 @@ class Attention(nn.Module):
         # One matmul gives every head's q, k and v side by side: [B, T, H + 2 Hkv, hd]. RoPE then runs
         # once over the q and k heads together (the same rotation for every head of a token), so a
         # decode step pays for one set of elementwise ops instead of two; the transposes are views.
-        qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(B, T, H + 2 * Hkv, hd)
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, hd)
         qk = qkv[:, :, : H + Hkv]
         if self.q_norm is not None:  # Qwen3, Gemma 3: each head's q and k normalised first
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
@@ -373,30 +404,15 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCacheLike | AttendingCache | None = None,
+        cache: KVCacheLike | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        attention = ATTENTION_BACKENDS[self.backend]
-        if self.attn_options:  # a family's window, scale or soft cap
-            attention = functools.partial(attention, **self.attn_options)
-        # a window reaches the cache only where there is one: a cache that cannot take it must fail
-        win = {} if self.window is None else {"window": self.window}
-        attend = getattr(cache, "attend", None)
-        if attend is not None:
-            # An AttendingCache (the paged engine's step) knows which sequence each token belongs
-            # to and runs attention itself, sequence by sequence, with this layer's function.
-            out = attend(self.layer_idx, q, k, v, attention, positions=positions, **win)
+        if cache is None:  # plain causal attention over these T tokens (within the window)
+            out = self.spec(q, k, v)
         else:
-            mask = None  # None: plain causal over these T tokens (within the window, if any)
-            if cache is not None:
-                k, v, mask = cache.update(self.layer_idx, k, v, positions, **win)
-            out = attention(q, k, v, mask)
-        return linear(
-            out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim),
-            self.wo.weight,
-            self.wo.bias,
-        )
+            out = cache.attend(self.layer_idx, q, k, v, self.spec, positions)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 # ---- looking inside: attention probabilities of a real model ----------------------------------
@@ -419,8 +435,15 @@ def attention_maps(
         def hook(attn: Attention, args: tuple) -> None:
             x, cos, sin = args[:3]
             q, k, v = attn.project_qkv(x, cos, sin)
+            s = attn.spec
             maps[i] = naive_attention(
-                q.float(), k.float(), v.float(), return_probs=True, **attn.attn_options
+                q.float(),
+                k.float(),
+                v.float(),
+                return_probs=True,
+                scale=s.scale,
+                window=s.window,
+                softcap=s.softcap,
             )[1]
 
         return hook

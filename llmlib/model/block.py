@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlib.config import ModelConfig
-from llmlib.kernels.linear import linear
-from llmlib.model.attention import AttendingCache, Attention, KVCacheLike, register_fused_linear
+from llmlib.model.attention import Attention, KVCacheLike, register_fused_linear
 from llmlib.model.norm import RMSNorm
 
 __all__ = ["Block", "FeedForward", "MoEFeedForward", "PostNormBlock", "RMSNorm", "make_block"]
@@ -55,9 +54,8 @@ class FeedForward(nn.Module):
         register_fused_linear(self, "w_gate_up", [("w_gate", ffn_dim), ("w_up", ffn_dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # linear() on the weights directly: the same product without nn.Module's per-call bookkeeping
-        gate, up = linear(x, self.w_gate_up.weight).split(self.ffn_dim, dim=-1)
-        return linear(self.gate(gate) * up, self.w_down.weight)
+        gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
+        return self.w_down(self.gate(gate) * up)
 
 
 class MoEFeedForward(nn.Module):
@@ -89,8 +87,7 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] float32, expert ids [N, k])."""
-        # through linear(), like every product: a quantized router weight brings its own kernel
-        probs = torch.softmax(linear(x, self.router.weight).float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -137,7 +134,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCacheLike | AttendingCache | None = None,
+        cache: KVCacheLike | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
         return x + self.ffn(self.ffn_norm(x))
@@ -160,7 +157,7 @@ class PostNormBlock(Block):
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCacheLike | AttendingCache | None = None,
+        cache: KVCacheLike | None = None,
     ) -> torch.Tensor:
         x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, positions, cache))
         return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlib.kernels.linear import embedding_rows, linear
-
 
 class TokenEmbedding(nn.Module):
     """The ``[vocab_size, d_model]`` table (state-dict name ``embed.weight``).
@@ -40,10 +38,16 @@ class TokenEmbedding(nn.Module):
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = embedding_rows(ids, self.weight)  # a quantized tied table reads its own rows
+        return self.scaled(F.embedding(ids, self.weight))
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         return x
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head when it is tied to this table: one score per row, :func:`unembed`."""
+        return unembed(h, self.weight)
 
 
 def embed_one_hot(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -56,4 +60,4 @@ def unembed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     ``weight`` is ``lm_head.weight``, or ``embed.weight`` itself when the embeddings are tied.
     """
-    return linear(h, weight)
+    return F.linear(h, weight)

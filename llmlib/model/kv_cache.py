@@ -22,18 +22,21 @@ from __future__ import annotations
 import torch
 
 from llmlib.config import ModelConfig
+from llmlib.model.attention import KVCacheLike
 from llmlib.shapes import kv_cache_bytes
 
 __all__ = ["KVCache", "kv_cache_bytes"]  # the formula is chapter 1's, shown in chapter 8
 
 
-class KVCache:
+class KVCache(KVCacheLike):
     """A preallocated key/value store for ``batch`` sequences of up to ``max_len`` tokens.
 
     All rows advance together (the one-request generator and static batching); the cache keeps the
     number of tokens stored, ``length``, on the host, so writing and slicing never wait on the device.
-    Each forward pass through the model calls :meth:`update` once per layer; after the last layer
-    the new tokens count as stored.
+    Each forward pass through the model calls ``attend`` once per layer (the contract's default,
+    :class:`~llmlib.model.attention.KVCacheLike`), which stores the new keys and values
+    (:meth:`update`) and attends over everything stored; after the last layer the new tokens
+    count as stored.
     """
 
     def __init__(

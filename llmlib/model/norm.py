@@ -1,20 +1,15 @@
 """RMSNorm: rescale each vector to unit root-mean-square, then a learned gain per channel.
 
 It lives in its own module because two layers use it: the block normalises the residual stream
-before each sub-layer (:mod:`llmlib.model.block`), and some families' attention normalises each head's
-queries and keys (Qwen3, Gemma 3: :mod:`llmlib.model.attention`). ``llmlib.model.block.RMSNorm`` is this class.
+before each sub-layer (:mod:`llmlib.model.block`), and some families' attention normalises each
+head's queries and keys (Qwen3, Gemma 3: :mod:`llmlib.model.attention`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from llmlib.kernels import native
 
 
 class RMSNorm(nn.Module):
@@ -43,42 +38,11 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return (x32 * (self.offset + self.weight.float())).to(x.dtype)
-        # F.rms_norm's arithmetic (fused on the CPU, see rms_norm): in bfloat16 it sums in
-        # float32 too, and applies the gain before rounding back, not after
         if x.dtype == torch.float32 or x.dtype == self.weight.dtype:
-            return rms_norm(x, self.weight, self.eps)
+            # PyTorch's own: in bfloat16 it sums in float32 too, and applies the gain before
+            # rounding back, not after
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, weight.shape, weight, eps)``: on the CPU, outside ``torch.compile`` and
-    autograd, one fused pass per row in C++ (``llmlib/kernels/csrc/rms_norm.cpp``), since PyTorch's CPU
-    version is a chain of separate operators; the same arithmetic, float32 inside, one rounding at
-    the end. A compiled graph fuses the plain version itself. ``LLMLIB_FUSED_NORM=0`` turns the
-    kernel off."""
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x.device.type == "cpu" and not grad and not torch.compiler.is_compiling() and _fused():
-        if (x.dtype, weight.dtype) in _FUSED_DTYPES:
-            return torch.ops.llmlib_norm.rms_norm(x, weight, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-_FUSED_DTYPES = {  # (x, weight) pairs the kernel takes
-    (torch.float32, torch.float32),
-    (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.bfloat16),
-}
-
-
-def _fused() -> bool:
-    return os.environ.get("LLMLIB_FUSED_NORM", "1") != "0" and _built()
-
-
-@functools.cache
-def _built() -> bool:
-    if not native.has_avx512():
-        return False
-    return native.build("llmlib_norm", "rms_norm.cpp", native.AVX512, "fused RMSNorm kernel")

@@ -3,9 +3,8 @@
 ``Transformer(cfg)(ids)`` maps token ids ``[B, T]`` to logits ``[B, T, vocab]``. Its state-dict
 names are the contract every loader produces (:func:`llmlib.shapes.param_shapes`), with Q and K in the
 Hugging Face "split-half" RoPE layout. The KV cache plugs in through the ``cache`` argument: each
-attention layer calls ``cache.update(layer, k_new, v_new, positions)`` and attends over what comes
-back (the contract is :class:`llmlib.model.attention.KVCacheLike`). Without a cache the forward pass is
-plain causal.
+attention layer calls ``cache.attend(layer, q, k, v, spec, positions)`` (the contract is
+:class:`llmlib.model.attention.KVCacheLike`). Without a cache the forward pass is plain causal.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from torch import nn
 
 from llmlib.config import ModelConfig
 from llmlib.device import choose
-from llmlib.model.attention import ATTENTION_BACKENDS, AttendingCache, KVCacheLike
+from llmlib.model.attention import KVCacheLike
 from llmlib.model.block import RMSNorm, make_block
-from llmlib.model.embedding import TokenEmbedding, unembed
+from llmlib.model.embedding import TokenEmbedding
 from llmlib.model.rope import RotaryTables
 
 
@@ -58,7 +57,7 @@ class Transformer(nn.Module):
         self,
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCacheLike | AttendingCache | None = None,
+        cache: KVCacheLike | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, vocab] (``[B, 1, vocab]`` with ``last_only``, which skips the
@@ -74,7 +73,7 @@ class Transformer(nn.Module):
         self,
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCacheLike | AttendingCache | None = None,
+        cache: KVCacheLike | None = None,
         n_layers: int | None = None,
     ) -> torch.Tensor:
         """The residual stream after the last block, ``[B, T, d_model]``: everything but the head.
@@ -104,7 +103,8 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states ``[..., d_model]`` -> scores ``[..., vocab]``
         (soft-capped to ``cap * tanh(logit / cap)`` where the family caps them, Gemma 2)."""
-        out = unembed(self.norm(h), self.lm_head_weight)
+        h = self.norm(h)
+        out = self.embed.unembed(h) if self.lm_head is None else self.lm_head(h)
         cap = self.config.final_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 
@@ -120,12 +120,8 @@ class Transformer(nn.Module):
 
     def set_attention_backend(self, name: str) -> Transformer:
         """Switch every layer to ``"sdpa"`` (default), ``"naive"`` or ``"tiled"`` attention."""
-        if name not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"unknown attention backend {name!r}; one of {sorted(ATTENTION_BACKENDS)}"
-            )
         for layer in self.layers:
-            layer.attn.backend = name
+            layer.attn.spec = layer.attn.spec.using(name)
         return self
 
     @property
@@ -140,9 +136,9 @@ class Transformer(nn.Module):
 def _contiguous_state(
     module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
 ) -> None:
-    # On the CPU the loader re-stores the weight matrices for faster decoding: some column-major,
-    # all inside one shared buffer (llmlib.kernels.linear.use_matvec_layout); and the fused q/k/v and
-    # gate/up matrices are split on the way out, as views. Hand out contiguous tensors that own
+    # On the CPU the weight matrices may be re-stored for faster decoding (some column-major, all
+    # inside one shared buffer: llmlib.kernels.prepare), and the fused q/k/v and gate/up matrices
+    # are split on the way out, as views. Hand out contiguous tensors that own
     # their memory instead, so a state dict saves with safetensors as it is (which refuses both
     # non-contiguous and memory-sharing tensors). keep_vars=True still gets the Parameters.
     for key, t in state_dict.items():

@@ -101,14 +101,19 @@ class VocabParallelEmbedding(TokenEmbedding):
     that holds them."""
 
     def __init__(self, table: TokenEmbedding, start: int, stop: int, comm: Comm) -> None:
-        super().__init__(table.weight.shape[0], table.weight.shape[1], "meta", table.scale)
-        self.weight = table.weight  # the same Parameter: a tied LM head keeps reading it
+        nn.Module.__init__(self)
+        self.scale = table.scale
+        self.table = [table]  # its lookup and LM head, kept out of the module tree
+        self.weight = table.weight  # the same matrix: a tied LM head keeps reading it
         self.start, self.stop, self.comm = start, stop, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.start) & (ids < self.stop)
-        x = super().forward(torch.where(mine, ids - self.start, 0))
+        x = self.table[0](torch.where(mine, ids - self.start, 0))
         return self.comm.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0))
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.table[0].unembed(h)
 
 
 def _reduce_output(comm: Comm, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:

@@ -367,7 +367,10 @@ def _spawn(driver: Driver, env: DistEnv, options: TPOptions) -> None:
     import llmlib
 
     root = str(Path(llmlib.__file__).resolve().parents[1])
+    from llmlib.kernels.flags import flags
+
     base = dict(os.environ)
+    base.update(flags().as_env())  # every rank makes the kernel choices this process made
     base["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [base.get("PYTHONPATH")])])
     base.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     base["LLMLIB_TP_LOCAL"] = "1"

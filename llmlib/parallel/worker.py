@@ -172,7 +172,9 @@ class Rank:
 
 
 def _startup_timeout() -> float:
-    return float(os.environ.get("LLMLIB_TP_STARTUP_TIMEOUT", "600"))
+    from llmlib.kernels.flags import flags
+
+    return flags().tp_startup_timeout
 
 
 def build_rank(spec: Spec, env: DistEnv, store: Any, local: bool) -> Rank:
@@ -247,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     store = None
     try:
-        local = os.environ.get("LLMLIB_TP_LOCAL") == "1"
+        from llmlib.kernels.flags import flags
+
+        local = flags().tp_local
         store = connect(env, _startup_timeout())
         store.set(f"hello/{env.rank}", f"{os.getpid()}@{socket.gethostname()}")
         store.wait(["spec"], timedelta(seconds=_startup_timeout()))

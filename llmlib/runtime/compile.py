@@ -7,9 +7,9 @@ operator between them is a separate call. Inductor has settings for both:
 * ``freezing``: the weights become constants of the compiled graph, so inductor may re-store them
   once, in the layouts its own kernels want (oneDNN's blocked layout for bfloat16, a packed tile
   layout for its weight-only int8/int4 kernels);
-* int8 and int4 matrices leave inductor's hands where the CPU has VNNI: :func:`compile_decode`
-  re-stores them for :mod:`llmlib.kernels.integer`'s integer kernels, which the graph calls as they are
-  (the activations are then rounded to int8 too, as llama.cpp rounds them);
+* int8 and int4 matrices held for :mod:`llmlib.kernels.integer`'s integer kernels (where the CPU
+  runs them: the loader decided so) stay in inductor's graph as extern calls, which read the
+  codes as they are (activations rounded to int8, as llama.cpp rounds them);
 * ``max_autotune`` with the ``CPP`` GEMM backend: inductor generates C++ matrix kernels (AMX
   micro-kernels where the CPU has them, AVX-512 or AVX2 ones elsewhere) with the dequantization
   and the following element-wise work fused in, and times them against ATen's for each shape
@@ -29,9 +29,9 @@ What it costs: a longer first compile (the timing line reports it; inductor cach
 and choices on disk for the next process), constants a graph owns (the model keeps its own
 weights for prefill), and a compiled step that no longer sees later changes to the weights.
 
-float32 keeps inductor's defaults: freezing would add a second, blocked float32 copy, the one the
-loader already decided against (:func:`llmlib.kernels.linear.prepare_cpu_weights`). On CUDA the step
-keeps inductor's defaults too (Triton kernels; :mod:`llmlib.runtime.static` captures graphs).
+float32 keeps inductor's defaults: freezing would add another, blocked float32 copy of every
+matrix. On CUDA the step keeps inductor's defaults too (Triton kernels; :mod:`llmlib.runtime.static`
+captures graphs).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def plain_bfloat16(model: nn.Module) -> int:
     or fuse them. Plain matrices they can; the model's eager prefill multiplies them as well.
     """
     from llmlib.kernels.onednn import OneDNNWeight
-    from llmlib.quantize import weight_matrices
+    from llmlib.kernels.prepare import weight_matrices
 
     n = 0
     for mod in weight_matrices(model).values():
@@ -94,7 +94,8 @@ def codes_left_to_inductor(model: nn.Module) -> int:
     is compiled without that cache (``fx_graph_cache=False``); tests/test_quantize.py checks
     both models' logits.
     """
-    from llmlib.quantize import Int4Weight, Int8Weight, weight_matrices
+    from llmlib.kernels.prepare import weight_matrices
+    from llmlib.kernels.weights import Int4Weight, Int8Weight
 
     return sum(
         isinstance(m.weight, Int8Weight | Int4Weight) for m in weight_matrices(model).values()
@@ -134,24 +135,17 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
     On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
-    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself, and int8/int4
-    matrices in :mod:`llmlib.kernels.integer`'s tiles where those kernels run: the graph calls them as
-    extern kernels, which read the weights with every thread and multiply bytes by bytes, where
-    inductor's own weight-only kernels turn each code into a float first. The Generator (or
-    engine) that compiles owns its model's layout from then on, and its modules: the compiled
-    step does not check them again (:func:`own_step`). ``dynamic=True`` traces every size as a
+    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself: the one layout
+    decision a compile changes, since a frozen graph keeps its own copy of every constant
+    anyway. Integer matrices stay as the loader stored them. The Generator (or engine) that
+    compiles owns its model's layout from then on, and its modules: the compiled step does not
+    check them again (:func:`own_step`). ``dynamic=True`` traces every size as a
     symbol, so one graph serves every batch (:func:`compile_engine_step`).
     """
-    from llmlib.kernels import matvec
-
-    matvec.preferred()  # known before tracing: the graph then reads a constant (llmlib.kernels.matvec)
     options = compile_options(model)
     step = own_step(step)
     if options is not None:
         plain_bfloat16(model)
-        from llmlib.kernels.integer import repack_model
-
-        repack_model(model)
         if codes_left_to_inductor(model):
             options["fx_graph_cache"] = False
     compiled = torch.compile(step, dynamic=dynamic, options=_guard_options(options))

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from llmlib.config import ModelConfig
-from llmlib.kernels.paged_attention import decode_attention, fused_options, serves_pool
-from llmlib.model.attention import AttentionFn
+from llmlib.kernels.paged_attention import decode_attention, serves_pool, serves_spec
+from llmlib.model.attention import AttentionSpec
 
 
 class StaticKVCache:
@@ -40,7 +40,7 @@ class StaticKVCache:
     unwritten slot is never attended to. It implements the model's cache contract,
     ``cache.update(layer, k, v, positions) -> (k_all, v_all, mask)``.
 
-    It also attends itself (:class:`llmlib.model.attention.AttendingCache`): a one-token step on a CPU
+    It attends itself (:class:`llmlib.model.attention.KVCacheLike`): a one-token step on a CPU
     where :mod:`llmlib.kernels.paged_attention` serves runs that kernel over each sequence's written
     slots only (``kernel=False`` or any other step: the layer's attention under the mask). Each
     KV head's slots ``[max_len, head_dim]`` are one contiguous run, so the cache reads to the
@@ -118,18 +118,15 @@ class StaticKVCache:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention: AttentionFn,
-        *,
+        spec: AttentionSpec,
         positions: torch.Tensor | None = None,
-        window: int | None = None,
     ) -> torch.Tensor:
         """Write the new keys and values, then attention for ``q [B, H, T, hd]`` -> ``[B, H, T, hd]``."""
         if positions is None:
             raise ValueError("StaticKVCache.attend needs the positions the keys are written at")
-        fast = fused_options(attention) if self.kernel and q.shape[2] == 1 else None
-        if fast is None:
-            k_all, v_all, mask = self.update(layer, k, v, positions, window=window)
-            return attention(q, k_all, v_all, mask)
+        if not (self.kernel and q.shape[2] == 1 and serves_spec(spec)):
+            k_all, v_all, mask = self.update(layer, k, v, positions, window=spec.window)
+            return spec(q, k_all, v_all, mask)
         k_all, v_all = self._write(layer, k, v, positions)
         b, hkv, n, hd = k_all.shape
         h = q.shape[1]
@@ -141,8 +138,9 @@ class StaticKVCache:
             v_all.view(b * hkv, n, 1, hd),
             self._table[: b * hkv],
             lens,
-            window=window,
-            **fast,
+            scale=spec.scale,
+            softcap=spec.softcap,
+            window=spec.window,
         )
         return out.view(b, h, 1, hd)
 

@@ -1,0 +1,269 @@
+"""What this machine can do, and what the user forced: read once per process, into one record.
+
+Every choice llmlib makes that depends on the CPU (which C++ build runs, whether a one-row
+float32 product takes llmlib's kernel or MKL's, whether int8/int4 matrices are multiplied by
+integer dot products, how bfloat16 matrices are stored) is decided from :class:`Flags`, and
+nothing else in the package reads the environment. Each choice can be forced, which is how the
+tests run every path this machine can execute, so that a bug that lives on another class of CPU
+fails here too (``tests/test_forced_paths.py``).
+
+==========================  =====================  ==============================================
+variable                    values                 what it decides (default)
+==========================  =====================  ==============================================
+``LLMLIB_CACHE``            a folder               where fetched models live (``~/.cache/llmlib``)
+``LLMLIB_NATIVE_ISA``       ``avx512``, ``avx2``,  which build of the C++ kernels runs (the best
+                            ``none``               the CPU has; ``none``: PyTorch's operators)
+``LLMLIB_INTEGER``          ``vnni``, ``avx2``,    int8/int4 products by integer dot products
+                            ``0``                  (``vnni`` where the CPU has AVX-512 VNNI, else
+                                                   ``avx2``); ``0``: PyTorch's weight-only kernels
+``LLMLIB_MATVEC``           ``0``, ``1``           one-row float32 products by llmlib's kernel
+                                                   (on a CPU not made by Intel)
+``LLMLIB_ONEDNN_FLOAT32``   ``0``, ``1``           a float32 model keeps oneDNN's blocked copy for
+                                                   products of several rows (not on Intel)
+``LLMLIB_ONEDNN_BFLOAT16``  ``0``, ``1``           bfloat16 matrices held in oneDNN's blocked
+                                                   layout (where oneDNN has one: AVX-512 BF16)
+``LLMLIB_FUSED_NORM``       ``0``, ``1``           RMSNorm as one C++ pass per row (``1``)
+``LLMLIB_PAGED_KERNEL``     ``0``, ``1``           decode attention read in place from the KV
+                                                   cache by llmlib's kernel (``1``)
+``LLMLIB_ACTIVATIONS``      ``float32``,           the activations' dtype of int8/int4/gguf
+                            ``bfloat16``           models (bfloat16 where the CPU multiplies it)
+``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             how long tensor-parallel ranks may take to
+                                                   start (600)
+``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
+                                                   joining its group (``0``; for tests)
+==========================  =====================  ==============================================
+
+A variable with any other value is an error that names it. :func:`flags` reads the variables and
+``/proc/cpuinfo`` the first time it is called and returns the same record after that;
+:func:`forced` swaps in a changed record for a block of code (tests), and a model loaded inside
+the block keeps the choices it was loaded with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ISAS = ("avx512", "avx2", "none")
+INTEGER = ("vnni", "avx2", "off")
+ACTIVATIONS = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The machine's capabilities (read from the CPU) and every choice made from them."""
+
+    # ---- what the CPU is ----
+    vendor: str  # "GenuineIntel", "AuthenticAMD", "" where unknown
+    cpu_flags: frozenset[str]  # /proc/cpuinfo's flags
+    # ---- the choices (each forceable) ----
+    isa: str  # which build of the C++ kernels: "avx512", "avx2" or "none"
+    integer: str  # int8/int4 products: "vnni", "avx2" or "off" (PyTorch's weight-only kernels)
+    matvec: bool  # one-row float32 products by llmlib's kernel
+    onednn_float32: bool  # a oneDNN-blocked copy of each float32 matrix for several rows
+    onednn_bfloat16: bool  # bfloat16 matrices in oneDNN's blocked layout (where it exists)
+    fused_norm: bool  # RMSNorm in C++ (needs the AVX-512 build)
+    paged_kernel: bool  # decode attention by llmlib's kernel
+    activations: str  # the dtype int8/int4/gguf models compute in: "float32" or "bfloat16"
+    # ---- not about the CPU ----
+    cache: Path  # where fetched models live
+    tp_startup_timeout: float = 600.0
+    tp_local: bool = False
+
+    @property
+    def mkl_tuned(self) -> bool:
+        """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here:
+        on Intel's CPUs (or where the vendor is unknown). It picks its code by vendor."""
+        return self.vendor in ("GenuineIntel", "")
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16)."""
+        return bool(self.cpu_flags & {"avx512_bf16", "amx_bf16"})
+
+    @property
+    def has_vnni(self) -> bool:
+        """Whether the CPU has AVX-512 VNNI (byte dot products into int32, one instruction)."""
+        return "avx512_vnni" in self.cpu_flags
+
+    def describe(self) -> str:
+        """One line for logs and benchmark records."""
+        return (
+            f"isa={self.isa} integer={self.integer} matvec={int(self.matvec)} "
+            f"onednn_float32={int(self.onednn_float32)} "
+            f"onednn_bfloat16={int(self.onednn_bfloat16)} fused_norm={int(self.fused_norm)} "
+            f"paged_kernel={int(self.paged_kernel)} activations={self.activations}"
+        )
+
+    def as_env(self) -> dict[str, str]:
+        """The variables that force exactly these choices in another process."""
+        return {
+            "LLMLIB_NATIVE_ISA": self.isa,
+            "LLMLIB_INTEGER": "0" if self.integer == "off" else self.integer,
+            "LLMLIB_MATVEC": str(int(self.matvec)),
+            "LLMLIB_ONEDNN_FLOAT32": str(int(self.onednn_float32)),
+            "LLMLIB_ONEDNN_BFLOAT16": str(int(self.onednn_bfloat16)),
+            "LLMLIB_FUSED_NORM": str(int(self.fused_norm)),
+            "LLMLIB_PAGED_KERNEL": str(int(self.paged_kernel)),
+            "LLMLIB_ACTIVATIONS": self.activations,
+        }
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    vendor, found = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not vendor and line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                elif not found and line.startswith("flags"):
+                    found = line.split(":", 1)[1]
+                if vendor and found:
+                    break
+    except OSError:
+        pass
+    return vendor, frozenset(found.split())
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    v = value.strip().lower()
+    if v not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return v
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool | None:
+    v = _choice(env, name, ("0", "1"))
+    return None if v is None else v == "1"
+
+
+def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] | None = None):
+    """A record from ``env`` (default: the process's environment) and the CPU (default: this one).
+
+    Nothing is built or probed here: a choice says what llmlib will try; where a kernel then
+    fails to build, its module says so once and PyTorch's operators serve.
+    """
+    env = os.environ if env is None else env
+    vendor, cflags = _cpuinfo() if cpu is None else cpu
+    best = (
+        "avx512"
+        if {"avx512f", "avx512bw", "avx512vl"} <= cflags
+        else "avx2"
+        if {"avx2", "fma", "f16c"} <= cflags
+        else "none"
+    )
+    isa = _choice(env, "LLMLIB_NATIVE_ISA", ISAS) or best
+    if ISAS.index(isa) < ISAS.index(best):
+        raise ValueError(f"LLMLIB_NATIVE_ISA={isa}: this CPU has at most {best}")
+    integer = _choice(env, "LLMLIB_INTEGER", ("vnni", "avx2", "0"))
+    vnni_ok = isa == "avx512" and "avx512_vnni" in cflags
+    if integer is None:
+        integer = "vnni" if vnni_ok else "avx2" if isa != "none" else "off"
+    elif integer == "0":
+        integer = "off"
+    elif integer == "vnni" and not vnni_ok:
+        raise ValueError("LLMLIB_INTEGER=vnni: needs AVX-512 VNNI and LLMLIB_NATIVE_ISA=avx512")
+    elif integer == "avx2" and isa == "none":
+        raise ValueError("LLMLIB_INTEGER=avx2: needs LLMLIB_NATIVE_ISA avx2 or avx512")
+    not_intel = vendor not in ("GenuineIntel", "")
+    native_bf16 = bool(cflags & {"avx512_bf16", "amx_bf16"})
+    matvec = _switch(env, "LLMLIB_MATVEC")
+    fused = _switch(env, "LLMLIB_FUSED_NORM")
+    paged = _switch(env, "LLMLIB_PAGED_KERNEL")
+    onednn32 = _switch(env, "LLMLIB_ONEDNN_FLOAT32")
+    onednn16 = _switch(env, "LLMLIB_ONEDNN_BFLOAT16")
+    acts = _choice(env, "LLMLIB_ACTIVATIONS", ACTIVATIONS)
+    timeout = env.get("LLMLIB_TP_STARTUP_TIMEOUT")
+    try:
+        tp_timeout = 600.0 if not timeout else float(timeout)
+    except ValueError:
+        raise ValueError(f"LLMLIB_TP_STARTUP_TIMEOUT={timeout!r}: expected seconds") from None
+    cache = env.get("LLMLIB_CACHE") or str(Path.home() / ".cache" / "llmlib")
+    return Flags(
+        vendor=vendor,
+        cpu_flags=cflags,
+        isa=isa,
+        integer=integer,
+        matvec=(not_intel if matvec is None else matvec) and isa != "none",
+        onednn_float32=not_intel if onednn32 is None else onednn32,
+        onednn_bfloat16=native_bf16 if onednn16 is None else onednn16,
+        fused_norm=(True if fused is None else fused) and isa == "avx512",
+        paged_kernel=(True if paged is None else paged) and isa != "none",
+        activations=acts or ("bfloat16" if native_bf16 else "float32"),
+        cache=Path(cache).expanduser(),
+        tp_startup_timeout=tp_timeout,
+        tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
+    )
+
+
+_current: list[Flags] = []
+
+
+def flags() -> Flags:
+    """This process's record (read on the first call)."""
+    if not _current:
+        _current.append(read())
+    return _current[0]
+
+
+@contextlib.contextmanager
+def forced(**changes) -> Iterator[Flags]:
+    """Within the block, :func:`flags` is this process's record with ``changes`` applied
+    (``forced(integer="off")``): a model loaded inside keeps the choices it was loaded with.
+    A choice the CPU cannot run is refused."""
+    base = flags()
+    new = dataclasses.replace(base, **changes)
+    cpu_best = read(env={}, cpu=(base.vendor, base.cpu_flags)).isa
+    if ISAS.index(new.isa) < ISAS.index(cpu_best):
+        raise ValueError(f"forced isa={new.isa}: this CPU has at most {cpu_best}")
+    if new.integer == "vnni" and not (new.isa == "avx512" and new.has_vnni):
+        raise ValueError("forced integer='vnni': this CPU (or isa) has no AVX-512 VNNI")
+    if new.integer == "avx2" and new.isa == "none":
+        raise ValueError("forced integer='avx2' needs isa 'avx2' or 'avx512'")
+    if new.fused_norm and new.isa != "avx512":
+        raise ValueError("forced fused_norm=True needs isa='avx512'")
+    _current[:] = [new]
+    try:
+        yield new
+    finally:
+        _current[:] = [base]
+
+
+def paths(f: Flags | None = None) -> list[dict[str, object]]:
+    """Every combination of forced choices this machine can execute that changes a fast path,
+    one change at a time from the default (the tests run each): the C++ builds the CPU has, the
+    integer products on and off, each switch flipped where it matters."""
+    f = f or flags()
+    best = read(env={}, cpu=(f.vendor, f.cpu_flags))
+    out: list[dict[str, object]] = [{}]
+    for isa in ISAS[ISAS.index(best.isa) + 1 :]:
+        out.append({"isa": isa, **_implied(isa, best)})
+    if best.integer != "off":
+        out.append({"integer": "off"})
+    for name in ("matvec", "onednn_float32", "paged_kernel", "fused_norm", "onednn_bfloat16"):
+        value = getattr(best, name)
+        if name == "fused_norm" and best.isa != "avx512":
+            continue
+        if name == "matvec" and best.isa == "none":
+            continue
+        out.append({name: not value})
+    return out
+
+
+def _implied(isa: str, best: Flags) -> dict[str, object]:
+    """What forcing a lower ISA drags along (no VNNI below AVX-512, no kernels at none)."""
+    changes: dict[str, object] = {}
+    if best.integer == "vnni" or isa == "none":
+        changes["integer"] = "avx2" if isa == "avx2" else "off"
+    if isa != "avx512":
+        changes["fused_norm"] = False
+    if isa == "none":
+        changes.update(matvec=False, paged_kernel=False)
+    return changes

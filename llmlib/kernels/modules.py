@@ -1,0 +1,52 @@
+"""The layers :func:`llmlib.kernels.prepare.prepare` swaps into a model: the same contract as the
+ones the chapters build, with the product or the lookup of a stored layout
+(:mod:`llmlib.kernels.weights`).
+
+* :class:`PackedLinear` takes the place of an ``nn.Linear``: ``forward(x)`` is the layout's
+  ``weight.linear(x, bias)``.
+* :class:`PackedEmbedding` takes the place of :class:`llmlib.model.embedding.TokenEmbedding`
+  when the table itself is stored in a layout (a tied table, quantized, or float32 with the
+  one-row kernel): the lookup reads its rows, and the tied LM head multiplies by it.
+
+Both keep the state-dict names of what they replace (``....weight``, ``....bias``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmlib.kernels.weights import PackedWeight
+from llmlib.model.embedding import TokenEmbedding
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` a :class:`PackedWeight` (its own kernel)."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.linear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class PackedEmbedding(TokenEmbedding):
+    """The token table held in a :class:`PackedWeight`: rows for the lookup, the layout's product
+    for a tied LM head."""
+
+    def __init__(self, weight: PackedWeight, scale: float | None = None) -> None:
+        nn.Module.__init__(self)
+        self.scale = scale
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.scaled(self.weight.rows(ids))
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.weight.linear(h)

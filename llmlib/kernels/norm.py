@@ -1,0 +1,58 @@
+"""RMSNorm in one pass per row, in C++ (``llmlib/kernels/csrc/rms_norm.cpp``).
+
+PyTorch's CPU ``F.rms_norm`` is a chain of separate operators (square, mean, rsqrt, two
+products), each a pass over the row. :class:`FusedRMSNorm` takes the place of
+:class:`llmlib.model.norm.RMSNorm` where the kernel builds (AVX-512) and the flags allow it
+(:attr:`llmlib.kernels.flags.Flags.fused_norm`, ``LLMLIB_FUSED_NORM=0`` turns it off): the same
+arithmetic, float32 inside, one rounding at the end. Inside ``torch.compile`` (which fuses the
+plain version itself), under autograd, off the CPU, or for Gemma's ``1 + weight`` variant it is
+the plain module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from llmlib.kernels import native
+from llmlib.kernels.flags import flags
+from llmlib.model.norm import RMSNorm
+
+_FUSED_DTYPES = {  # (x, weight) pairs the kernel takes
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+}
+
+
+class FusedRMSNorm(RMSNorm):
+    """:class:`~llmlib.model.norm.RMSNorm` with the fused kernel's forward."""
+
+    @classmethod
+    def replacing(cls, norm: RMSNorm) -> FusedRMSNorm:
+        """A fused norm holding ``norm``'s own gain (no copy)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(norm.__dict__)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            not self.offset
+            and x.device.type == "cpu"
+            and (x.dtype, self.weight.dtype) in _FUSED_DTYPES
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        ):
+            return torch.ops.llmlib_norm.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def available() -> bool:
+    """Whether the flags choose the fused norm here and it builds (on the first call)."""
+    return flags().fused_norm and native.has_avx512() and _built()
+
+
+@functools.cache
+def _built() -> bool:
+    return native.build("llmlib_norm", "rms_norm.cpp", native.AVX512, "fused RMSNorm kernel")

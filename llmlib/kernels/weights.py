@@ -1,0 +1,372 @@
+"""How a weight matrix is stored for the kernel that multiplies it: one class per layout.
+
+A model's linear layers multiply by ``weight [out, in]``. On a GPU, or for a plain bfloat16
+matrix, PyTorch's ``F.linear`` is all there is to say. Elsewhere the fastest product depends on
+the layout the weights are kept in, and each layout comes with its own kernel, so the layout and
+the product travel together: a :class:`PackedWeight` is a module holding the stored tensors,
+with ``linear(x, bias)`` (the product), ``rows(ids)`` (the embedding lookup when the matrix is a
+tied table) and ``dequantize()`` (the plain matrix back, for tests and plots).
+
+:func:`llmlib.kernels.prepare.prepare` picks one for every matrix of a model, once, when it is
+loaded; the model's own code only ever calls its layers (:class:`llmlib.kernels.modules.PackedLinear`
+holds one of these). The layouts:
+
+* :class:`Float32Weight` — a float32 matrix on a CPU, with llmlib's one-row kernel
+  (:mod:`llmlib.kernels.matvec`) for batch-1 decode and, optionally, a oneDNN-blocked second copy
+  for products of several rows (both where MKL is slow: CPUs not made by Intel);
+* :class:`llmlib.kernels.onednn.OneDNNWeight` — bfloat16 (or float32) held only in oneDNN's
+  blocked layout (AMX and AVX512-BF16);
+* :class:`Int8Weight` and :class:`Int4Weight` — int8 codes with a scale per row, 4-bit codes with
+  a scale and a zero point per group: PyTorch's weight-only kernels (``_weight_int8pack_mm``,
+  ``_weight_int4pack_mm*``), on CPUs and GPUs, the reference the faster kernels are checked with;
+* :mod:`llmlib.kernels.integer` — the same codes multiplied by integer dot products (AVX-512 VNNI
+  or AVX2), activations rounded to int8 in blocks as llama.cpp does;
+* :class:`RowTiles` — any of them, multiplied a fixed number of rows at a time (the batch-invariant
+  engine, chapter 7).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmlib.quantize import ChannelCodes, Codes, GroupCodes, check_group_size
+
+
+class PackedWeight(nn.Module):
+    """A weight matrix ``[out, in]`` stored for a weight-only kernel (a module: its buffers move
+    with ``.to()``, show up in ``state_dict`` and are counted like any other tensor)."""
+
+    kind = "packed"
+    _constants = "scale"  # the buffer of float constants: its dtype is the activations'
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape = torch.Size(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: what goes into and comes out of the product (``.to(dtype)``
+        moves the float constants, and with them this)."""
+        return getattr(self, self._constants).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T (+ bias)`` for ``x [..., in]`` in :attr:`dtype`."""
+        lead = x.shape[:-1]
+        y = self._mm(x.reshape(-1, x.shape[-1])).view(*lead, self.shape[0])
+        return y if bias is None else y + bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``w[ids]`` dequantized: the embedding lookup when the table is this matrix (tied)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0], device=self.device))
+
+    @property
+    def label(self) -> str:
+        """What the timing line calls this layout (``int8``, ``int4 g32``, ...)."""
+        return self.kind
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, shape={tuple(self.shape)}, dtype={self.dtype}"
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# PyTorch's CPU int8 kernel, with bfloat16 activations, reads past the end of a row whose width is
+# not a multiple of 16: wrong products, or a crash (found on the families' odd test widths; float32
+# and float16 were fine). Such matrices get zero columns up to the next multiple whatever the
+# dtype (a later ``.to(bfloat16)`` must not meet the bug), and each input as many zeros: the same
+# products, exactly. Real models' widths are multiples already, so they pay nothing.
+_INT8_BF16_WIDTH = 16
+
+
+class Int8Weight(PackedWeight):
+    """int8 codes ``[out, in]`` and per-row scales: ``_weight_int8pack_mm(x, q, scales)``."""
+
+    kind = "int8"
+
+    def __init__(self, codes: ChannelCodes, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(codes.shape)
+        q = codes.q.to(device=device, dtype=torch.int8)
+        k = q.shape[1]
+        self.pad = -k % _INT8_BF16_WIDTH
+        if self.pad:
+            q = torch.nn.functional.pad(q, (0, self.pad))
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", codes.scale.to(device=device, dtype=dtype).contiguous())
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            x = torch.nn.functional.pad(x, (0, self.pad))
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.q[ids][..., : self.shape[1]]
+        return q.to(self.dtype) * self.scale[ids, None]
+
+    def to_codes(self) -> ChannelCodes:
+        """The codes and scales this was packed from (another kernel's layout starts there)."""
+        return ChannelCodes(self.q[:, : self.shape[1]], self.scale.float())
+
+
+# PyTorch's CPU int4 layout packs output channels in blocks of B: 64 where ATen's kernel was
+# built for AVX-512, 32 for AVX2. For each input column k a block holds B/2 bytes; channel n sits
+# in lane (n % B) // 16, byte (lane % (B // 32)) * 16 + n % 16, in the low nibble for the first
+# half of the lanes and the high one for the rest. Reading a row back (the embedding lookup of a
+# tied table) needs this map; Int4Weight checks it against the codes at pack time and keeps the
+# plain codes instead where the kernel packed differently (another CPU, another version).
+_CPU_BLOCKS_N = (64, 32)
+
+
+def _cpu_int4_unpack_rows(
+    packed: torch.Tensor, n: int, k: int, ids: torch.Tensor, block: int = 64
+) -> torch.Tensor:
+    """Codes ``[len(ids), k]`` (0..15) of rows ``ids`` of a matrix packed for the CPU kernel in
+    blocks of ``block`` channels."""
+    per = block // 32  # 16-byte halves per column
+    blocks = packed.view(n // block, k, block // 2)
+    lane = (ids % block) // 16
+    byte = (lane % per) * 16 + ids % 16
+    raw = blocks[ids // block, :, :].gather(2, byte.view(-1, 1, 1).expand(-1, k, 1))
+    raw = raw.squeeze(2)
+    return torch.where((lane // per).view(-1, 1).bool(), raw >> 4, raw & 0x0F)
+
+
+class Int4Weight(PackedWeight):
+    """4-bit codes in a kernel's packed layout, and ``[in/g, out, 2]`` scales and zero points."""
+
+    kind = "int4"
+    _constants = "scale_zero"
+
+    def __init__(self, codes: GroupCodes, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(codes.shape)
+        n, k = codes.shape
+        self.group_size = g = codes.group_size
+        check_group_size(g, k, "int4 weight")
+        sz = torch.stack([codes.scale, codes.zero], dim=2).transpose(0, 1)  # [K/g, N, 2]
+        self.register_buffer("scale_zero", sz.to(device=device, dtype=dtype).contiguous())
+        q = codes.q.to(device)
+        self.on_cuda = torch.device(device).type == "cuda"
+        self._readable = False
+        self._block = 0  # channels per block of the CPU packed layout, 0 where unknown
+        self.register_buffer("codes", None)  # plain codes, kept only where rows() needs them
+        if self.on_cuda:
+            u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()
+            packed = torch.ops.aten._convert_weight_to_int4pack(u8, _inner_k_tiles(k))
+            self.register_buffer("packed", packed)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            self.register_buffer("packed", packed)
+            if packed.numel() * 2 == n * k:
+                probe = torch.arange(0, n, max(1, n // 97), device=q.device)
+                for b in _CPU_BLOCKS_N:
+                    if n % b == 0 and torch.equal(
+                        _cpu_int4_unpack_rows(packed, n, k, probe, b), q[probe]
+                    ):
+                        self._block = b
+                        break
+            self._readable = self._block > 0
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda:
+            return torch.ops.aten._weight_int4pack_mm(
+                x, self.packed, self.group_size, self.scale_zero
+            )
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scale_zero
+        )
+
+    def keep_codes_for_rows(self, codes: GroupCodes) -> None:
+        """Where the packed layout cannot be read back row by row, keep the plain codes (one
+        byte pair per two weights more) so :meth:`rows` still works: only a tied table needs it."""
+        if self.on_cuda or not self._readable:
+            q = codes.q.to(self.packed.device)
+            self.register_buffer("codes", (q[:, ::2] | q[:, 1::2] << 4).to(torch.uint8))
+
+    @property
+    def label(self) -> str:
+        return f"int4 g{self.group_size}"
+
+    @property
+    def codes_readable(self) -> bool:
+        """Whether the 4-bit codes can be read back (kept plainly, or a checked packed layout)."""
+        return self.codes is not None or self._readable
+
+    def _codes(self, ids: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        if self.codes is not None:
+            c = self.codes[ids]
+            return torch.stack([c & 0x0F, c >> 4], dim=-1).view(*ids.shape, k)
+        if self._readable:
+            flat = ids.reshape(-1)
+            rows = _cpu_int4_unpack_rows(self.packed, n, k, flat, self._block)
+            return rows.view(*ids.shape, k)
+        raise RuntimeError("Int4Weight: the packed layout cannot be read back here")
+
+    def to_codes(self) -> GroupCodes:
+        """The codes, scales and zero points this was packed from (the constants as stored)."""
+        sz = self.scale_zero.float().transpose(0, 1)  # [N, K/g, 2]
+        q = self._codes(torch.arange(self.shape[0], device=self.packed.device))
+        return GroupCodes(q, sz[..., 0], sz[..., 1], self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self._codes(ids)
+        sz = self.scale_zero[:, ids]  # [K/g, *ids, 2]
+        s = sz[..., 0].movedim(0, -1).repeat_interleave(self.group_size, dim=-1)
+        z = sz[..., 1].movedim(0, -1).repeat_interleave(self.group_size, dim=-1)
+        return ((q.to(self.dtype) - 8) * s + z).to(self.dtype)
+
+
+def _inner_k_tiles(k: int) -> int:
+    for t in (8, 4, 2):
+        if k % (t * 16) == 0:
+            return t
+    raise ValueError(f"int4 on CUDA needs the input width to be a multiple of 32, got {k}")
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class Float32Weight(PackedWeight):
+    """A float32 matrix on a CPU, and the kernels chosen for its two kinds of product.
+
+    One row (batch-1 decode) is a matrix-vector product, limited by how fast the matrix streams
+    from memory: ``one_row=True`` takes :mod:`llmlib.kernels.matvec`'s kernel, where MKL streams
+    one row slowly (CPUs not made by Intel). Several rows (a prefill, a batch) are limited by
+    arithmetic: ``blocked=True`` keeps a second copy in oneDNN's blocked layout, which multiplies
+    several rows faster than MKL's generic code on such CPUs (at twice the memory). Otherwise
+    ``F.linear`` on the plain matrix, whose memory layout :mod:`llmlib.kernels.layout` chooses.
+    In a state dict this is the plain matrix, under the weight's own name.
+
+    Inside ``torch.compile`` the blocked copy is never read: it is an opaque oneDNN tensor, which
+    inductor can only take as a frozen constant, and a graph compiled with it as an input
+    multiplied by garbage (the compiled engine's float32 bug, on CPUs not made by Intel, where
+    the copy is the default). The graph multiplies the plain matrix with its own kernels.
+    """
+
+    _constants = "w"
+
+    def __init__(self, w: torch.Tensor, *, one_row: bool = False, blocked: bool = False) -> None:
+        super().__init__(tuple(w.shape))
+        self.register_buffer("w", w.detach())
+        self.one_row = one_row
+        self.register_buffer(
+            "blocked",
+            torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+            if blocked
+            else None,
+        )
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "float32" + (" + oneDNN copy" if self.blocked is not None else "")
+
+    @property
+    def nbytes(self) -> int:
+        n = self.w.numel() * 4
+        return n + (n if self.blocked is not None else 0)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            if self.one_row and x.numel() == x.shape[-1]:
+                y = torch.ops.llmlib_matvec.matvec(x, self.w).view(*x.shape[:-1], self.shape[0])
+                return y if bias is None else y + bias
+            if self.blocked is not None and x.numel() > x.shape[-1] and not _compiling():
+                return torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, "none", [], "")
+        return F.linear(x, self.w, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.w)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        w = self.w
+        owns = w.is_contiguous() and w.untyped_storage().nbytes() == w.numel() * 4
+        destination[prefix.removesuffix(".")] = w if owns else w.contiguous().clone()
+
+
+class RowTiles(PackedWeight):
+    """Any weight, multiplied ``tile`` rows at a time, the last tile padded with zero rows: every
+    product the kernel library sees then has the same shape.
+
+    Why: BLAS and oneDNN pick their kernel, and with it the order of each dot product's sum, from
+    the matrix shapes, the number of rows included. A token's result then depends on how many
+    other tokens share its step. With the row count fixed it cannot: row ``i`` of a product
+    depends only on row ``i`` of the input. The batch-invariant engine runs on a view of the
+    model whose every product is wrapped so (:func:`llmlib.kernels.prepare.row_tiled`).
+    """
+
+    kind = "row tiles"
+
+    def __init__(self, inner: torch.Tensor | PackedWeight, tile: int) -> None:
+        if not isinstance(tile, int) or tile <= 0:
+            raise ValueError(f"RowTiles: tile must be a positive integer, got {tile!r}")
+        super().__init__(tuple(inner.shape))
+        self.tile = tile
+        if isinstance(inner, PackedWeight):
+            self.inner = inner
+        else:
+            self.register_buffer("dense", inner.detach())
+            self.inner = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dense.dtype if self.inner is None else self.inner.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.dense.device if self.inner is None else self.inner.device
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.dense.dtype if self.inner is None else self.inner.label}, {self.tile}-row tiles"
+        )
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.inner is None:
+            return F.linear(x, self.dense, bias)
+        return self.inner.linear(x, bias)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        n, t = rows.shape[0], self.tile
+        padded = rows.new_zeros(-(-n // t) * t, k)
+        padded[:n] = rows
+        out = torch.cat([self._product(padded[i : i + t], bias) for i in range(0, len(padded), t)])
+        return out[:n].view(*lead, out.shape[-1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.dense) if self.inner is None else self.inner.rows(ids)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dense if self.inner is None else self.inner.dequantize()
+
+
+def pack_reference(codes: Codes, dtype: torch.dtype, device: torch.device | str) -> PackedWeight:
+    """Codes in the layout of PyTorch's weight-only kernel for ``device`` (the reference layout);
+    a ValueError names what cannot run."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"weight-only int8/int4 kernels exist for cpu and cuda, not {device}")
+    if isinstance(codes, ChannelCodes):
+        return Int8Weight(codes, dtype, device)
+    if codes.bits != 4:
+        raise ValueError(f"PyTorch has no kernel for {codes.bits}-bit codes in groups")
+    return Int4Weight(codes, dtype, device)
