@@ -16,12 +16,11 @@ Two layouts, each with its own PyTorch kernel:
   codes. Kernels: ``_weight_int4pack_mm_for_cpu`` and, on CUDA, ``_weight_int4pack_mm``; each
   wants the codes re-ordered into its own packed layout (``_convert_weight_to_int4pack*``).
 
-The codes before packing are :class:`ChannelCodes` and :class:`GroupCodes`: plain tensors, row
-by row, so fused matrices (q/k/v, gate/up) are the row-wise concatenation of their parts, and a
-GGUF file's own blocks can be turned into codes without re-quantizing
-(:mod:`llmlib.checkpoints.repack`). :func:`quantize_model` swaps a loaded model's weight matrices
-for packed ones; :func:`llmlib.kernels.linear.linear` and :func:`llmlib.kernels.linear.embedding_rows` call the
-packed weight's own product and row lookup.
+The codes before packing are :class:`ChannelCodes` and :class:`GroupCodes`, plain tensors row by
+row: a fused matrix (q/k/v, gate/up) is the row-wise concatenation of its parts, and a GGUF
+file's blocks become codes as stored (:mod:`llmlib.checkpoints.repack`; no kernel takes its 8-bit
+group codes yet). :func:`quantize_model` swaps a loaded model's matrices for packed ones, whose
+product and row lookup :func:`llmlib.kernels.linear.linear` and ``embedding_rows`` call.
 """
 
 from __future__ import annotations
@@ -352,6 +351,8 @@ def pack(codes: Codes, dtype: torch.dtype, device: torch.device | str) -> Packed
         raise ValueError(f"weight-only int8/int4 kernels exist for cpu and cuda, not {device}")
     if isinstance(codes, ChannelCodes):
         return Int8Weight(codes, dtype, device)
+    if codes.bits != 4:
+        raise ValueError(f"no kernel multiplies {codes.bits}-bit group codes yet (only int4 ones)")
     return Int4Weight(codes, dtype, device)
 
 
@@ -383,11 +384,10 @@ def quantize_model(
     """Replace every weight matrix of ``model`` by a packed one, in place; return ``model``.
 
     ``quantization`` is ``"int8"`` or ``"int4"`` (quantize the model's float weights; int4 keeps
-    the LM head in int8), or
-    ``"gguf"``: ``codes`` hands in, by module name, codes made from the file's own blocks; a
-    matrix without codes stays dense in the model's dtype. ``describe`` turns a module name into
-    what the checkpoint calls it, for error messages. ``dtype``: the activations' (default: the
-    model's); the caller casts the rest of the model to it.
+    the LM head in int8), or ``"gguf"``: ``codes`` hands in, by module name, codes made from the
+    file's own blocks; a matrix without codes (or with 8-bit ones, which no kernel takes yet)
+    stays dense in the model's dtype. ``describe``: a module name -> what the checkpoint calls
+    it, for errors. ``dtype``: the activations' (default: the model's); the caller casts the rest.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(
@@ -399,8 +399,8 @@ def quantize_model(
         label = describe(f"{name}.weight")
         if quantization == "gguf":
             c = (codes or {}).get(name)
-            if c is None:
-                continue
+            if c is None or (isinstance(c, GroupCodes) and c.bits != 4):
+                continue  # no codes, or 8-bit group codes no kernel takes yet: the file's values
         elif quantization == "int8" or name in ("embed", "lm_head"):
             # int4 keeps the LM head (the tied table too) in int8, as llama.cpp's 4-bit files
             # do: the one matrix every logit comes from is the one 4 bits hurt most
