@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 import gguf
+import kquant_blocks
 import numpy as np
 import pytest
 import torch
@@ -77,6 +78,17 @@ def gguf_name(key: str) -> str:
     return f"blk.{i}.{GGUF_OF[rest]}.weight"
 
 
+def encode_tensor(arr: np.ndarray, t: T) -> np.ndarray:
+    """``arr`` as GGUF type ``t``: gguf's own encoder, the tests' K-quant one
+    (tests/kquant_blocks.py), or zero bytes for a type neither encodes (IQ4_NL, ...)."""
+    if t.name in kquant_blocks.ENCODERS:
+        return kquant_blocks.encode(arr, t.name)
+    try:
+        return gguf.quants.quantize(arr, t)
+    except NotImplementedError:
+        return np.zeros(gguf.quants.quant_shape_to_byte_shape(arr.shape, t), np.uint8)
+
+
 def write_gguf(
     path: Path,
     cfg: ModelConfig,
@@ -112,7 +124,7 @@ def write_gguf(
         elif key.endswith("attn.wk.weight"):
             arr = hf_to_gguf_permute(arr, m.n_kv_heads)
         t = (types or {}).get(name, T.F32 if arr.ndim == 1 else qtype)
-        q = gguf.quants.quantize(arr, t)
+        q = encode_tensor(arr, t)
         w.add_tensor(name, q, raw_dtype=t if t not in (T.F32, T.F16) else None)
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
@@ -141,9 +153,15 @@ def test_f32_roundtrip_gives_hf_layout(tmp_path: Path) -> None:
         assert torch.equal(sd[k], torch.from_numpy(v)), k  # exact: Q/K un-permuted, dims reversed
 
 
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+#: a config whose every matrix row is a multiple of 256 weights, as the K-quants need
+WIDE = TINY.replace(d_model=256, ffn_dim=512, head_dim=64)
+FILE_TYPES = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+FILE_TYPES += [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", FILE_TYPES, ids=lambda t: t.name)
 def test_quantized_file_equals_gguf_dequantize(tmp_path: Path, qtype: T) -> None:
-    cfg = TINY.replace(tie_embeddings=True)
+    cfg = (WIDE if qtype.name.endswith("_K") else TINY).replace(tie_embeddings=True)
     weights = random_hf_weights(cfg, seed=qtype.value)
     path = write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=qtype)
     _, sd = read_gguf(path, progress=False)
@@ -194,9 +212,9 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 def test_unknown_quantization_type(tmp_path: Path) -> None:
     path = write_gguf(
-        tmp_path / "q.gguf", TINY, random_hf_weights(TINY), types={"blk.1.ffn_up.weight": T.Q5_0}
+        tmp_path / "q.gguf", TINY, random_hf_weights(TINY), types={"blk.1.ffn_up.weight": T.IQ4_NL}
     )
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight: GGUF type IQ4_NL \(id 20\)"):
         read_gguf(path, progress=False)
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_gguf import TINY, random_hf_weights, write_gguf
+from test_gguf import TINY, WIDE, random_hf_weights, write_gguf
 
 import llmlib
 from llmlib.checkpoints.quant import dequantize
-from llmlib.checkpoints.repack import block_codes, repack_error
+from llmlib.checkpoints.repack import block_codes, model_codes, repack_error
 from llmlib.config import ModelConfig
 from llmlib.generate import Generator
 from llmlib.kernels import integer as vnni
@@ -103,29 +103,89 @@ def _gguf(tmp_path: Path, qtype: T, tie: bool = False) -> tuple[Path, ModelConfi
     return write_gguf(tmp_path / f"m_{qtype.name}.gguf", cfg, weights, qtype), cfg
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])
-def test_gguf_4bit_blocks_repack_exactly(tmp_path: Path, qtype: T) -> None:
-    """The codes and float32 constants reproduce the file's values bit for bit (up to float32
-    rounding of ``(q - 8) * d + (m + 8 d)``); only the constants' dtype rounds."""
-    path, _ = _gguf(tmp_path, qtype)
+BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_gguf_blocks_repack_exactly(tmp_path: Path, qtype: T) -> None:
+    """A file's blocks, read by the loader (q/k rows un-permuted), give codes whose values are the
+    file's: bit for bit for the 8-bit codes and Q4_0; for Q4_1/Q4_K (4-bit codes with a
+    minimum) up to the float32 rounding of the zero point ``8 s - m`` (see test_quant). Only the
+    constants' dtype rounds more."""
+    cfg = WIDE if qtype.name.endswith("_K") else TINY
+    path = write_gguf(tmp_path / "m.gguf", cfg, random_hf_weights(cfg, seed=3), qtype)
     blocks: dict = {}
-    cfg, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
+    _, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
     assert blocks and all(kind == qtype.name for kind, _ in blocks.values())
     for name, (kind, raw) in blocks.items():
         c = block_codes(kind, raw, name)
-        assert torch.allclose(c.dequantize(), state[name], rtol=0, atol=1e-6), name
+        assert c.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+        if qtype in (T.Q4_1, T.Q4_K):
+            assert torch.allclose(c.dequantize(), state[name], rtol=0, atol=1e-6), name
+        else:
+            assert torch.equal(c.dequantize(), state[name]), name
     err = repack_error(blocks, torch.bfloat16)[qtype.name]
     assert err["codes"] < 1e-6 and 0 < err["in_dtype"] < 2**-7
+    if qtype not in (T.Q4_1, T.Q4_K):
+        assert repack_error(blocks, torch.float32)[qtype.name]["codes"] == 0
 
 
-def test_gguf_q8_0_is_requantized_per_row_and_says_by_how_much(tmp_path: Path) -> None:
-    path, _ = _gguf(tmp_path, T.Q8_0)
+#: what llama.cpp's Q4_K_M keeps in 6 bits: attn_v and ffn_down (and the output matrix)
+Q4_K_M = {
+    **{f"blk.{i}.{n}.weight": T.Q6_K for i in range(2) for n in ("attn_v", "ffn_down")},
+    "output.weight": T.Q6_K,
+}
+
+
+def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
+    """q/k in Q4_K with v in Q6_K fuse into one exact 8-bit matrix in groups of 16; gate/up (both
+    Q4_K) stay 4-bit codes for the int4 kernels. Loading the file with quantization="gguf"
+    packs those; the 8-bit ones, which no kernel multiplies yet, stay dense, with the file's
+    values: the model computes what the float32 reading of the file computes."""
+    path = write_gguf(
+        tmp_path / "m.gguf", WIDE, random_hf_weights(WIDE, seed=5), T.Q4_K, types=Q4_K_M
+    )
     blocks: dict = {}
     _, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
-    err = repack_error(blocks, torch.float32)["Q8_0"]
-    assert 0 < err["codes"] < 1 / 127  # at most half a per-row step of the row's largest weight
-    name = next(iter(blocks))
-    assert not torch.equal(block_codes(*blocks[name]).dequantize(), state[name])
+    ref = llmlib.load_model(path, "cpu", torch.float32)
+    codes = model_codes(list(weight_matrices(ref)), blocks)
+    kinds = {name: (c.bits, c.group_size) for name, c in codes.items()}
+    assert kinds["layers.0.attn.wqkv"] == (8, 16) and kinds["layers.1.ffn.w_down"] == (8, 16)
+    assert kinds["layers.0.ffn.w_gate_up"] == (4, 32) and kinds["layers.0.attn.wo"] == (4, 32)
+    assert kinds["lm_head"] == (8, 16) and "embed" not in kinds  # untied: a table, not a product
+    for name, c in codes.items():
+        w = ref.get_submodule(name).weight.dequantize()
+        assert torch.allclose(c.dequantize(), w, rtol=0, atol=1e-6), name
+    with forced(integer="off"):  # PyTorch's weight-only kernels: float activations, exact
+        model = llmlib.load_model(path, "cpu", torch.float32, "gguf")
+    packed = {n for n, m in weight_matrices(model).items() if isinstance(m.weight, Int4Weight)}
+    assert packed == {n for n, k in kinds.items() if k[0] == 4}
+    ids = torch.randint(0, WIDE.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_q8_0_table_stays_dense_in_a_q4_1_file(tmp_path: Path) -> None:
+    """SmolLM2's file: Q4_1 matrices and a Q8_0 tied embedding table. Its codes are exact 8-bit
+    codes now (no per-row re-quantization); until a kernel multiplies 8-bit group codes the
+    table stays a dense matrix holding the file's values."""
+    cfg = TINY.replace(tie_embeddings=True)
+    weights = random_hf_weights(cfg, seed=3)
+    weights.pop("lm_head.weight", None)
+    path = write_gguf(
+        tmp_path / "m.gguf", cfg, weights, T.Q4_1, types={"token_embd.weight": T.Q8_0}
+    )
+    blocks: dict = {}
+    _, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
+    table = block_codes(*blocks["embed.weight"])
+    assert (table.bits, table.group_size) == (8, 32)
+    assert torch.equal(table.dequantize(), state["embed.weight"])
+    with pytest.raises(ValueError, match="PyTorch has no kernel for 8-bit codes in groups"):
+        pack(table, torch.float32, "cpu")
+    model = llmlib.load_model(path, "cpu", torch.float32, "gguf")
+    assert not isinstance(model.embed.weight, PackedWeight)
+    assert torch.equal(model.embed.weight, state["embed.weight"])
+    assert isinstance(model.layers[0].ffn.w_gate_up.weight, Int4Weight)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])

@@ -1,63 +1,122 @@
 """A GGUF file's own blocks, repacked for the weight-only kernels without re-quantizing.
 
-llama.cpp's 4-bit blocks already are what :class:`llmlib.quantize.GroupCodes` describes: 32
-weights of a row, one code of 4 bits each, and per block a scale (and a minimum). Only the
-constants move:
+:mod:`llmlib.checkpoints.quant` takes every block format apart into integers ``q`` and, per group
+of consecutive weights of a row, a float32 scale and shift: ``x = scale * q + shift``. That is
+already what :class:`llmlib.quantize.GroupCodes` describes, ``w = (c - 2**(bits-1)) * s + z``;
+only the codes move by a constant, and the zero point takes up what they moved:
 
-* Q4_1 stores ``x = d * q + m``, ``q`` in 0..15. The int4 kernels compute ``(q - 8) * s + z``,
-  so ``s = d`` and ``z = m + 8 d``: the same codes, group size 32.
-* Q4_0 stores ``x = d * (q - 8)``: ``s = d``, ``z = 0``.
-* Q8_0 stores ``x = d * q`` with ``q`` in int8 and one ``d`` per 32 weights; the int8 kernel
-  takes one scale per *row*, so these rows are re-quantized from the file's values
-  (:func:`llmlib.quantize.quantize_int8`): the one step here that is not exact.
+======  =====  =====  ==========================================================================
+type    bits   group  codes ``c``, scale ``s``, zero ``z``
+======  =====  =====  ==========================================================================
+Q4_0    4      32     ``c = q + 8`` (the stored nibble), ``s = d``, ``z = 0``
+Q4_1    4      32     ``c = q``, ``s = d``, ``z = m + 8 d``
+Q4_K    4      32     ``c = q``, ``s = d * s_j``, ``z = 8 s - dmin * m_j``
+Q8_0    8      32     ``c = q + 128``, ``s = d``, ``z = 0``
+Q5_0    8      32     ``c = q + 128`` (``q = q5 - 16``), ``s = d``, ``z = 0``
+Q5_1    8      32     ``c = q + 128``, ``s = d``, ``z = m``
+Q5_K    8      32     ``c = q + 128``, ``s = d * s_j``, ``z = -dmin * m_j``
+Q6_K    8      16     ``c = q + 128`` (``q = q6 - 32``), ``s = d * s_j``, ``z = 0``
+Q3_K    8      16     ``c = q + 128`` (``q = q3 - 4``), ``s = d * (s_j - 32)``, ``z = 0``
+Q2_K    8      16     ``c = q + 128``, ``s = d * s_j``, ``z = -dmin * m_j``
+======  =====  =====  ==========================================================================
 
-The codes and the arithmetic are exact; what can round is where the kernel keeps ``s`` and
-``z``: in the activations' dtype. In float32 they are exact (``d`` and ``m`` are float16); in
-bfloat16 each keeps 8 of float16's 11 significant bits. :func:`repack_error` measures both
-effects on a real file.
+The codes are the file's integers, exactly. The 8-bit rows compute ``(c - 128) * s + z``, which is
+``q * s + z``, the reference's own arithmetic: bit for bit the file's values. The 4-bit rows with
+a minimum (Q4_1, Q4_K) compute ``(q - 8) * s + (8 s - m')`` where the file computes
+``q * s - m'``. The products are exact (``s`` has at most 17 significant bits, ``q - 8`` four), so
+the results agree bit for bit whenever the zero point ``8 s - m'`` is exact in float32, which it
+is unless the exponents of ``8 s`` and ``m'`` lie far apart (about 13 binary places for Q4_1's
+float16 constants, 7 for Q4_K's); otherwise they differ by the float32 rounding of ``z``, about
+``2**-24 |z|`` (many units of the result's last place only where the result nearly cancels to
+zero). Float types (F32, F16, BF16) have no codes: the loader keeps those matrices dense.
+
+A fused projection (q/k/v, gate/up) is the row-wise concatenation of its parts, and a Q4_K_M file
+mixes types inside one: ``attn_q``/``attn_k`` in Q4_K, ``attn_v`` in Q6_K. :func:`fuse` brings
+the parts to the widest kind exactly: a 4-bit code becomes an 8-bit one by adding 120 (``c - 8 =
+(c + 120) - 128``), and a group of 32 becomes two groups of 16 with the same scale and zero.
+
+What can round is where a kernel keeps ``s`` and ``z``: in the activations' dtype. In float32
+they are exact; in bfloat16 each keeps 8 of its significant bits. :func:`repack_error` measures
+both effects on a real file.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from llmlib.quantize import ChannelCodes, Codes, GroupCodes, quantize_int8
+from llmlib.checkpoints.quant import BlockFormat, as_bytes, block_format, take_apart
+from llmlib.quantize import GroupCodes
 
-BLOCK = 32
-
-
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> float32 values of the float16 they hold."""
-    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+#: the block types whose codes are 4 bits (the int4 kernels' layout); every other one is 8 bits
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16] packed bytes -> [..., 32] codes: low nibbles are elements 0..15, high 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+def code_format(kind: str, name: str = "tensor") -> BlockFormat:
+    """The block format of ``kind``, or a ValueError naming the tensor where it has no codes."""
+    fmt = block_format(kind, name)
+    if fmt.block_size == 1:
+        raise ValueError(
+            f"{name}: {kind} is a float type, it has no integer codes (the loader keeps it dense)"
+        )
+    return fmt
 
 
-def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> Codes:
-    """The codes of one block-quantized matrix ``raw [rows, bytes per row]`` of type ``kind``."""
-    n = raw.shape[0]
-    if kind == "Q4_1":
-        b = raw.view(n, -1, 20)
-        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        q = _nibbles(b[..., 4:]).reshape(n, -1)
-        return GroupCodes(q, d, m + 8 * d, BLOCK)
-    if kind == "Q4_0":
-        b = raw.view(n, -1, 18)
-        d = _f16(b[..., 0:2])
-        q = _nibbles(b[..., 2:]).reshape(n, -1)
-        return GroupCodes(q, d, torch.zeros_like(d), BLOCK)
-    if kind == "Q8_0":
-        b = raw.view(n, -1, 34)
-        d = _f16(b[..., 0:2])
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        return quantize_int8((q * d[..., None]).reshape(n, -1))  # per-row scale: re-quantized
-    raise ValueError(
-        f"{name}: GGUF type {kind} has no repacking path for quantization='gguf' "
-        "(Q4_0, Q4_1 and Q8_0 have one); load it with quantization='int8' or 'int4'"
+def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCodes:
+    """The codes of one block-quantized matrix ``raw [rows, bytes per row]`` (uint8) of type
+    ``kind``, read from the bytes as they are (no float copy of the matrix is made)."""
+    fmt = code_format(kind, name)
+    rows, width = raw.shape
+    if width % fmt.block_bytes:
+        raise ValueError(
+            f"{name}: a {kind} row of {width} bytes is not a whole number of "
+            f"{fmt.block_bytes}-byte blocks"
+        )
+    parts = take_apart(as_bytes(raw.contiguous().numpy()).reshape(-1, fmt.block_bytes), fmt)
+    shift = parts.shift if parts.shift is not None else np.zeros_like(parts.scale)
+    if kind in FOUR_BIT:
+        q = parts.q - np.int8(parts.low)  # 0..15: Q4_0's stored nibble, Q4_1's and Q4_K's q
+        moved = 8 + parts.low  # what the kernel's "- 8" takes away that the file's q did not
+        zero = shift + np.float32(moved) * parts.scale if moved else shift
+        bits = 4
+    else:
+        q = parts.q.view(np.uint8) ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
+        zero, bits = shift, 8
+    k = width // fmt.block_bytes * fmt.block_size
+    return GroupCodes(
+        torch.from_numpy(q.view(np.uint8).reshape(rows, k)),
+        torch.from_numpy(parts.scale.reshape(rows, -1)),
+        torch.from_numpy(zero.reshape(rows, -1)),
+        fmt.group,
+        bits,
     )
+
+
+def widen(c: GroupCodes, bits: int, group_size: int) -> GroupCodes:
+    """The same weights as codes of ``bits`` bits in groups of ``group_size``, exactly: codes move
+    by the difference of the offsets, scales and zeros repeat over the smaller groups."""
+    if bits < c.bits or c.group_size % group_size:
+        raise ValueError(
+            f"cannot hold {c.bits}-bit codes in groups of {c.group_size} as {bits}-bit codes in "
+            f"groups of {group_size}"
+        )
+    q, scale, zero = c.q, c.scale, c.zero
+    if bits != c.bits:
+        q = q + ((1 << (bits - 1)) - c.offset)  # 4 -> 8 bits: + 120, so c - 8 = (c + 120) - 128
+    if group_size != c.group_size:
+        r = c.group_size // group_size
+        scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
+    return GroupCodes(q, scale, zero, group_size, bits)
+
+
+def fuse(codes: list[GroupCodes]) -> GroupCodes:
+    """The row-wise concatenation of the parts of a fused matrix, in their widest common kind
+    (the most bits, the smallest group), without re-quantizing any of them."""
+    if len(codes) == 1:
+        return codes[0]
+    bits = max(c.bits for c in codes)
+    group = min(c.group_size for c in codes)
+    return GroupCodes.cat([widen(c, bits, group) for c in codes])
 
 
 #: fused module -> the checkpoint matrices it concatenates, in row order
@@ -75,22 +134,16 @@ def _parts(module: str) -> list[str]:
 def model_codes(modules: list[str], blocks: dict[str, tuple[str, torch.Tensor]]) -> dict:
     """``{module name: codes}`` for the modules whose every part the file stores in blocks.
 
-    A fused projection whose parts mix 4-bit and 8-bit blocks becomes int8 throughout (its 4-bit
-    parts re-quantized per row); one with a float part stays dense.
+    The parts of a fused projection that mix block types are fused exactly (:func:`fuse`: a
+    Q4_K + Q6_K projection becomes 8-bit codes in groups of 16); one with a float part stays
+    dense.
     """
-    out: dict[str, Codes] = {}
+    out: dict[str, GroupCodes] = {}
     for mod in modules:
         parts = _parts(mod)
         if not all(p in blocks for p in parts):
             continue
-        codes = [block_codes(*blocks[p], name=p) for p in parts]
-        if all(isinstance(c, GroupCodes) for c in codes):
-            out[mod] = GroupCodes.cat(codes) if len(codes) > 1 else codes[0]
-        else:
-            as8 = [
-                c if isinstance(c, ChannelCodes) else quantize_int8(c.dequantize()) for c in codes
-            ]
-            out[mod] = ChannelCodes.cat(as8) if len(as8) > 1 else as8[0]
+        out[mod] = fuse([block_codes(*blocks[p], name=p) for p in parts])
     return out
 
 
@@ -103,18 +156,16 @@ def repack_error(
     from llmlib.checkpoints.quant import dequantize
 
     worst: dict[str, dict[str, float]] = {}
-    ids = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
     for name, (kind, raw) in blocks.items():
-        type_id, nbytes = ids[kind]
-        shape = (raw.shape[0], raw.shape[1] // nbytes * BLOCK)
-        ref = dequantize(raw.numpy().reshape(-1), type_id, shape, name)
+        fmt = code_format(kind, name)
+        shape = (raw.shape[0], raw.shape[1] // fmt.block_bytes * fmt.block_size)
+        ref = dequantize(raw.contiguous().numpy(), fmt.type_id, shape, name)
         c = block_codes(kind, raw, name)
         top = ref.abs().max().clamp(min=1e-30)
         exact = (c.dequantize() - ref).abs().max() / top
-        if isinstance(c, GroupCodes):
-            r = GroupCodes(c.q, c.scale.to(dtype).float(), c.zero.to(dtype).float(), c.group_size)
-        else:
-            r = ChannelCodes(c.q, c.scale.to(dtype).float())
+        r = GroupCodes(
+            c.q, c.scale.to(dtype).float(), c.zero.to(dtype).float(), c.group_size, c.bits
+        )
         rounded = (r.dequantize() - ref).abs().max() / top
         w = worst.setdefault(kind, {"codes": 0.0, "in_dtype": 0.0, "tensors": 0})
         w["codes"] = max(w["codes"], float(exact))
