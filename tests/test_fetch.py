@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmlib.checkpoints import fetch
+from llmlib.kernels.flags import forced
 
 
 def test_fetched_file_has_the_published_digest(smollm2_path: Path) -> None:
@@ -21,7 +22,6 @@ def test_fetched_file_has_the_published_digest(smollm2_path: Path) -> None:
 def test_second_fetch_does_not_download(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LLMLIB_CACHE", str(tmp_path))
     os.link(
         smollm2_path, tmp_path / fetch.GGUF_NAME
     ) if smollm2_path.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(
@@ -32,7 +32,8 @@ def test_second_fetch_does_not_download(
         raise AssertionError("fetch downloaded although the file was already there")
 
     monkeypatch.setattr(fetch.subprocess, "run", no_download)
-    assert fetch.fetch_model(quiet=True) == tmp_path / fetch.GGUF_NAME
+    with forced(cache=tmp_path):  # LLMLIB_CACHE, as this process's flags record holds it
+        assert fetch.fetch_model(quiet=True) == tmp_path / fetch.GGUF_NAME
 
 
 def _offline_env(tmp_path: Path) -> dict[str, str]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llmlib.engine import stopping
 from llmlib.engine.block_manager import BlockManager
 from llmlib.engine.load import default_num_blocks, load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
@@ -311,7 +312,7 @@ class LLM:
         reqs: dict[str, EngineRequest] = {}
         for seq in touched:
             req, choice = self._by_seq[seq.seq_id]
-            choice.took_token(res.logprobs.get(seq.seq_id), self.scheduler.finish)
+            choice.took_token(res.logprobs.get(seq.seq_id))
             reqs[req.request_id] = req
         outs = []
         for req in reqs.values():
@@ -330,9 +331,9 @@ class LLM:
             return []
         parent.num_computed_tokens = c.start + c.length
         children, parent.forks = parent.forks, []
-        if parent.max_tokens == 0:  # a prompt scored: no choice generates anything
+        if reason := stopping.prompt_only(parent):  # a prompt scored: no choice generates
             for child in children:
-                self.scheduler.finish(child, "length")
+                self.scheduler.finish(child, reason)
             return children
         for child in children:
             copies = self.block_manager.fork(parent, child)

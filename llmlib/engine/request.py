@@ -9,7 +9,6 @@ the others are forked from it (:meth:`llmlib.engine.block_manager.BlockManager.f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +29,8 @@ def choice_generator(params: SamplingParams, index: int, device: Any) -> torch.G
 
 
 class Choice:
-    """One completion of a request: its sequence, random stream, text and log-probabilities."""
+    """One completion of a request: its sequence (which holds its text stream), random stream
+    and log-probabilities."""
 
     def __init__(
         self,
@@ -41,15 +41,21 @@ class Choice:
         tokenizer: Any,
     ) -> None:
         self.index, self.seq, self.params, self.generator = index, seq, params, generator
-        self.text = TextStream(
+        seq.text = TextStream(
             tokenizer.id_to_bytes if tokenizer is not None else None,
             params.stop,
             include_stop=params.include_stop_str_in_output,
         )
         self.tokens_emitted = 0
-        self.tokens_seen = 0  # output tokens already turned into text
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> TextStream:
+        return self.seq.text
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.seq.stop_reason
 
     def output(self) -> CompletionOutput:
         """The choice so far, with what the last step added as its deltas (taken once)."""
@@ -73,61 +79,12 @@ class Choice:
             stop_reason=self.stop_reason,
         )
 
-    def took_token(
-        self, logprob: TokenLogprob | None, finish: Callable[[Sequence, str], None]
-    ) -> None:
-        """A choice's sequence got its next token (or finished scoring its prompt): record its
-        log-probability, advance its grammar, turn it into text, end it on a stop string."""
-        seq, params, choice = self.seq, self.params, self
-        if seq.num_output_tokens == choice.tokens_seen:  # max_tokens=0: nothing was generated
-            choice.text.close()
-            return
-        if seq.num_output_tokens > choice.tokens_seen + 1 and self._took_kept(finish):
-            return  # speculative decoding kept several tokens, and a stop string ended them
-        choice.tokens_seen = seq.num_output_tokens
-        tok = seq.token_ids[-1]
-        if choice.logprobs is not None and logprob is not None:
-            choice.logprobs.append(logprob)
-        grammar_done = False
-        if seq.matcher is not None:
-            seq.matcher.consume(tok)
-            grammar_done = seq.matcher.done
-        if grammar_done and not seq.is_finished:
-            finish(seq, "stop")  # a complete document (under ignore_eos)
-        if seq.finish_reason == "stop" and (seq.ends_on(tok) or tok in seq.eos_token_ids):
-            if tok in seq.stop_token_ids:
-                choice.stop_reason = tok
-                if params.include_stop_str_in_output:
-                    choice.text.add_token(tok, check_stop=False)
-            choice.text.close()  # the end token ends the text without being part of it
-            return
-        check = seq.num_output_tokens >= params.min_tokens
-        if choice.text.add_token(tok, check_stop=check):  # a stop string: the text ends before it
-            choice.stop_reason = choice.text.stop_str
-            if seq.is_finished:
-                seq.finish_reason = "stop"  # the same token also reached max_tokens
-            else:
-                finish(seq, "stop")
-        elif seq.is_finished:
-            choice.text.close()
-
-    def _took_kept(self, finish: Callable[[Sequence, str], None]) -> bool:
-        """Speculative decoding appended several tokens: look for a stop string in all but the last
-        (which :meth:`Choice.took_token` then takes as ever). A stop string ends the sequence there,
-        and the tokens after it are dropped, as if they had never been decoded."""
-        seq, first = self.seq, self.tokens_seen
-        kept = seq.output_token_ids[first:-1]
-        for j, tok in enumerate(kept):
-            self.tokens_seen = first + j + 1
-            if self.text.add_token(tok, check_stop=True):
-                self.stop_reason = self.text.stop_str
-                del seq.token_ids[seq.num_prompt_tokens + self.tokens_seen :]
-                if seq.is_finished:
-                    seq.finish_reason = "stop"
-                else:
-                    finish(seq, "stop")
-                return True
-        return False
+    def took_token(self, logprob: TokenLogprob | None) -> None:
+        """A choice's sequence got its next token(s): record the log-probability sampled with it.
+        (Its text, grammar and end were already settled as the token was appended:
+        :mod:`llmlib.engine.stopping`.)"""
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
 
 
 class EngineRequest:

@@ -170,37 +170,18 @@ class ModelRunner:
             ]  # a 1-token slice of a prompt samples nothing
             self._sample([chunks[i] for i in keep], logits[keep], generators, res)
             return res
-        order = [c for c in chunks if c.length > 1] + [c for c in chunks if c.length == 1]
-        ends, sampled, t = [], [], 0
-        prompt_rows: list[tuple[ScheduledChunk, list[int]]] = []
-        prompt_sel: list[int] = []
-        verified: list[ScheduledChunk] = []  # speculative: the pending token and its proposals
-        spec_sel: list[int] = []
-        for c in order:
-            if pos := _prompt_positions(c):
-                prompt_rows.append((c, pos))
-                prompt_sel += [t + p - c.start for p in pos]
-            if c.draft:
-                verified.append(c)
-                spec_sel += range(t, t + 1 + len(c.draft))
-                t += 1 + len(c.draft)
-                continue
-            t += c.length
-            if c.samples:  # sample at the last token of every chunk that completes its sequence
-                ends.append(t - 1)
-                sampled.append(c)
-        select = (ends or ([] if prompt_sel or spec_sel else [t - 1])) + prompt_sel + spec_sel
-        logits = self._forward(order, select)  # a step of partial prompts samples nothing
-        n_ends = len(ends)
-        self._sample(sampled, logits[:n_ends], generators, res)
-        row = n_ends if ends else (0 if prompt_sel or spec_sel else 1)
-        for c, pos in prompt_rows:
-            lp = logits[row : row + len(pos)].float().log_softmax(-1)
+        plan = StepPlan.of(chunks)
+        logits = self._forward(plan.order, plan.select)
+        sampled, prompt, verified = plan.split(logits)
+        self._sample(plan.sampled, sampled, generators, res)
+        row = 0
+        for c, pos in plan.prompt:
+            lp = prompt[row : row + len(pos)].float().log_softmax(-1)
             row += len(pos)
             nxt = [c.seq.token_ids[p + 1] for p in pos]
             entries = _logprob_entries(lp, nxt, c.seq.params.prompt_logprobs)
             res.prompt_logprobs[c.seq.seq_id] = list(zip([p + 1 for p in pos], entries))
-        self._verify(verified, logits[row:], generators, res)
+        self._verify(plan.verified, verified, generators, res)
         return res
 
     def _verify(
@@ -260,6 +241,64 @@ class ModelRunner:
             for i, e in zip(want, entries):
                 e.top = e.top[: params[i].logprobs]
                 res.logprobs[seqs[i].seq_id] = e
+
+
+@dataclass
+class StepPlan:
+    """Which rows of one step's packed tokens get logits, in three named groups.
+
+    ``order`` is the step's chunks as they are packed (prompt chunks first, then single tokens).
+    The LM head runs at ``select``, the concatenation of:
+
+    * ``sampled_rows``: the last token of every chunk that completes its sequence (``sampled``,
+      one next token each);
+    * ``prompt_rows``: every prompt position of a chunk whose request asked for prompt
+      log-probabilities (``prompt``: the chunk and its positions);
+    * ``verified_rows``: speculative decoding's pending token and its proposals (``verified``).
+
+    A step of partial prompts samples nothing, but the model still runs: it selects the last row,
+    whose logits nobody reads.
+    """
+
+    order: list[ScheduledChunk]
+    sampled: list[ScheduledChunk]
+    sampled_rows: list[int]
+    prompt: list[tuple[ScheduledChunk, list[int]]]
+    prompt_rows: list[int]
+    verified: list[ScheduledChunk]
+    verified_rows: list[int]
+    last_row: int
+
+    @classmethod
+    def of(cls, chunks: Seq[ScheduledChunk]) -> StepPlan:
+        order = [c for c in chunks if c.length > 1] + [c for c in chunks if c.length == 1]
+        plan = cls(order, [], [], [], [], [], [], 0)
+        t = 0  # the packed row of the chunk's first token
+        for c in order:
+            if pos := _prompt_positions(c):
+                plan.prompt.append((c, pos))
+                plan.prompt_rows += [t + p - c.start for p in pos]
+            if c.draft:
+                plan.verified.append(c)
+                plan.verified_rows += range(t, t + 1 + len(c.draft))
+                t += 1 + len(c.draft)
+                continue
+            t += c.length
+            if c.samples:
+                plan.sampled.append(c)
+                plan.sampled_rows.append(t - 1)
+        plan.last_row = t - 1
+        return plan
+
+    @property
+    def select(self) -> list[int]:
+        rows = self.sampled_rows + self.prompt_rows + self.verified_rows
+        return rows or [self.last_row]
+
+    def split(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logits at :attr:`select` -> (sampled, prompt, verified) rows."""
+        a, b = len(self.sampled_rows), len(self.prompt_rows)
+        return logits[:a], logits[a : a + b], logits[a + b : a + b + len(self.verified_rows)]
 
 
 @dataclass

@@ -19,8 +19,9 @@ Order of service in a step:
    block every ``block_size`` tokens, and filling the pool to the brim just schedules a
    preemption (a full recompute) a few steps later.
 
-A sequence finishes on an end-of-sequence token, on ``max_tokens``, on the model's length limit, or
-when the engine finds a stop string in its text and calls :meth:`Scheduler.finish`.
+A sequence finishes where :mod:`llmlib.engine.stopping` says, checked as each token is appended
+(an end token, a stop string, a finished grammar, ``max_tokens``, the model's length limit), or
+when the engine aborts it (:meth:`Scheduler.finish`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llmlib.engine import stopping
 from llmlib.engine.block_manager import BlockManager, PrefixPending
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 
@@ -120,6 +122,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
+        if seq.text is not None and reason != "abort":
+            seq.text.close()  # no more tokens: a dangling partial character is flushed
         self.stats.finished += 1
 
     def _preempt(self, seq: Sequence) -> None:
@@ -232,8 +236,8 @@ class Scheduler:
             if not c.samples:
                 continue
             touched.append(seq)
-            if seq.max_tokens == 0:  # a prompt scored, nothing generated (prompt_logprobs)
-                self.finish(seq, "length")
+            if reason := stopping.prompt_only(seq):  # a prompt scored, nothing generated
+                self.finish(seq, reason)
                 continue
             kept = (accepted or {}).get(seq.seq_id, []) if c.draft else []
             self.stats.spec_proposed += len(c.draft)
@@ -252,14 +256,13 @@ class Scheduler:
         return touched
 
     def append_token(self, seq: Sequence, tok: int) -> None:
-        """Give a sequence its next token, and end it on an end token or at its length limit."""
+        """Give a sequence its next token, and end it where :func:`llmlib.engine.stopping.take`
+        says (an end token, a stop string, a finished grammar, a length limit)."""
         seq.token_ids.append(tok)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        if seq.ends_on(tok):
-            self.finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, "length")
+        if reason := stopping.take(seq, tok, self.max_model_len):
+            self.finish(seq, reason)
 
     def adopt(self, child: Sequence, parent: Sequence, running: bool) -> None:
         """Queue a choice forked from ``parent``: running (it holds the parent's blocks) or, when

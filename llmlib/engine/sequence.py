@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from llmlib.sampling import SamplingParams
+from llmlib.text import TextStream
+
 
 class SequenceView(Protocol):
     """What :class:`~llmlib.engine.block_manager.BlockManager` reads and writes on a sequence."""
@@ -37,7 +40,7 @@ class Sequence:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    params: Any = None  # the request's SamplingParams (the scheduler does not read them)
+    params: SamplingParams = field(default_factory=SamplingParams)  # the request's own
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -58,6 +61,8 @@ class Sequence:
     matcher: Any = None  # structured output: the grammar position (llmlib.structured.Matcher)
     # speculative decoding: tokens proposed to follow token_ids, verified in the next step
     draft_tokens: list[int] = field(default_factory=list)
+    text: TextStream | None = None  # its text so far (stop strings are found there)
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
