@@ -194,7 +194,7 @@ def test_cuda_graph_replays_reuse_memory():
     ids = torch.randint(0, CFG.vocab_size, (2, 1), device="cuda")
     a = dec(ids, torch.zeros(2, 1, dtype=torch.long, device="cuda")).clone()
     b = dec(ids, torch.zeros(2, 1, dtype=torch.long, device="cuda"))
-    assert torch.equal(a, b) and b.data_ptr() == dec._io[2][2].data_ptr()
+    assert torch.equal(a, b) and b.data_ptr() == dec.steps.entries[2][2].data_ptr()
 
 
 @pytest.mark.gpu

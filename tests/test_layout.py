@@ -85,51 +85,36 @@ def test_no_import_cycles() -> None:
 
 # Layers, bottom to top. A module may import its own layer and those below it, never above.
 LAYERS = [
-    {
+    {  # numbers and names: what a model is, with no torch in sight
         "llmlib._lazy",
-        "llmlib.kernels",  # the packages' indexes: docstrings only
-        "llmlib.runtime",
-        "llmlib.analysis",
+        "llmlib.analysis",  # the package's index: a docstring
         "llmlib.config",
         "llmlib.families",
         "llmlib.dtypes",
         "llmlib.shapes",
-        "llmlib.analysis.gpus",
         "llmlib.show",
-        "llmlib.gguf_file",
-    },  # the GGUF container: numpy only, read by the tokenizer too
-    {
+        "llmlib.gguf_file",  # the GGUF container: numpy only, read by the tokenizer too
+        "llmlib.kernels.flags",  # every switch and CPU capability, read once
+        "llmlib.analysis.gpus",
+    },
+    {  # text, devices, arithmetic, and the pieces a request carries
         "llmlib.device",
-        "llmlib.kernels.native",  # builds and loads the C++ kernels (llmlib/csrc)
+        "llmlib.kernels.native",  # builds and loads the C++ kernels (llmlib/kernels/csrc)
         "llmlib.analysis.costs",
         "llmlib.analysis.capacity",
         "llmlib.tokenizer",
         "llmlib.text",
         "llmlib.prompts",
-    },
-    {
-        "llmlib.kernels.matvec",  # one-row float32 products in C++, where MKL streams slowly
-        "llmlib.kernels.linear",
-        "llmlib.model.embedding",
-        "llmlib.model.rope",
-        "llmlib.model.norm",
-        "llmlib.model.attention",
-        "llmlib.kernels.paged_attention",  # decode attention in C++, read where a cache holds the keys
-        "llmlib.model.block",
-        "llmlib.model",
         "llmlib.sampling",
-        "llmlib.model.kv_cache",
-        "llmlib.analysis.roofline",
         "llmlib.structured",
-        "llmlib.kernels.onednn",  # bfloat16 held in oneDNN's blocked layout, reachable when compiled
-        "llmlib.quantize",  # weight-only int8/int4 and their packed layouts: how weights are held
+        "llmlib.quantize",  # codes: how a float matrix is rounded to integers
     },
-    {
+    {"llmlib.model"},  # the book's stages, plain PyTorch
+    {"llmlib.kernels"},  # the machine's side, swapped into the model at load
+    {"llmlib.runtime", "llmlib.analysis.roofline"},  # compiled and graphed steps; measured roofs
+    {  # one request, from a file on disk to its tokens
         "llmlib.checkpoints",
         "llmlib.generate",
-        "llmlib.runtime.compile",  # how a decode step (batch 1, or the engine's) is compiled per device
-        "llmlib.kernels.integer",  # int8/int4 matrices re-stored for the engine's integer products
-        "llmlib.runtime.static",
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
     },
@@ -140,14 +125,16 @@ LAYERS = [
 
 
 def _layer(module: str) -> int:
-    for i, layer in enumerate(LAYERS):
-        if module in layer:
-            return i
+    """The layer of the longest entry of LAYERS that names ``module`` or a package above it."""
+    best: tuple[int, int] | None = None
     for i, layer in enumerate(LAYERS):
         for top in layer:
             if module == top or (top != "llmlib" and module.startswith(top + ".")):
-                return i
-    raise AssertionError(f"{module} is in no layer of test_layout.LAYERS: place it")
+                if best is None or len(top) > best[0]:
+                    best = (len(top), i)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of test_layout.LAYERS: place it")
+    return best[1]
 
 
 def test_imports_run_one_way() -> None:
@@ -161,6 +148,41 @@ def test_imports_run_one_way() -> None:
             if d != "llmlib" and _layer(d) > _layer(mod):
                 bad.append(f"{mod} (layer {_layer(mod)}) imports {d} (layer {_layer(d)})")
     assert bad == []
+
+
+def test_the_model_imports_none_of_the_layers_above_it() -> None:
+    """The book's model is plain PyTorch: no kernel, runtime, checkpoint or engine code reaches
+    into it; speed is swapped in from outside (llmlib.kernels.prepare)."""
+    above = ("kernels", "runtime", "checkpoints", "engine", "parallel", "serve", "bench", "cli")
+    bad = [
+        f"{mod} imports {d}"
+        for mod, deps in _imports().items()
+        if mod == "llmlib.model" or mod.startswith("llmlib.model.")
+        for d in deps
+        if any(d == f"llmlib.{a}" or d.startswith(f"llmlib.{a}.") for a in above)
+    ]
+    assert bad == []
+
+
+def test_only_the_flags_record_reads_the_environment() -> None:
+    """Every LLMLIB_* switch is read once, in llmlib.kernels.flags; nothing else reads one.
+    (torch.distributed's own RANK/WORLD_SIZE protocol in llmlib.parallel, and the variables the
+    benchmarks set for their peers, are not switches of llmlib's.)"""
+    readers = []
+    for p in PKG.rglob("*.py"):
+        if p.name == "flags.py" and p.parent.name == "kernels":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("LLMLIB_") and not _sets_env(p, node.value):
+                    readers.append(f"{p.relative_to(ROOT)}: {node.value}")
+    assert readers == []
+
+
+def _sets_env(path: Path, name: str) -> bool:
+    """The one sanctioned use elsewhere: the parallel driver hands its ranks the variables that
+    make them start the way it asks."""
+    return path.name == "driver.py" and name in ("LLMLIB_TP_LOCAL", "LLMLIB_TP_STARTUP_TIMEOUT")
 
 
 def test_modules_are_small_or_say_why() -> None:

@@ -1,11 +1,12 @@
-"""The batching engine's decode steps on CUDA graphs: fixed shapes, fixed addresses, one launch.
+"""The batching engine's decode steps on fixed shapes: replayed from CUDA graphs, or compiled.
 
 A step in which every running sequence decodes one token is a few hundred tiny kernels; on a GPU
 the CPU's launching them, not the GPU's running them, sets the pace at small batches. A CUDA graph
-records the step once and replays it with one launch. It replays exactly the recorded kernels on
-exactly the recorded memory, so the step must have a fixed shape and every index tensor a fixed
-address: :class:`StaticDecodeStep` is such a step (rows x blocks, both rounded up to a power of
-two), and :class:`PagedDecodeGraphs` captures one graph per shape the first time it is needed.
+records the step once and replays it with one launch (:mod:`llmlib.runtime.graphs`). It replays
+exactly the recorded kernels on exactly the recorded memory, so the step must have a fixed shape
+and every index tensor a fixed address: :class:`StaticDecodeStep` is such a step over the paged
+pool (rows x blocks, both rounded up to a power of two), and :class:`PagedDecodeGraphs` keeps one
+per shape, captured the first time it is needed.
 
 On the CPU the same fixed-shape steps run eagerly (nothing to capture), which is what the tests
 exercise, or compiled (``LLM(compile=True)``): one graph with symbolic sizes serves every bucket
@@ -23,6 +24,7 @@ import torch
 
 from llmlib.engine.paged_cache import DecodeGroup, PagedKVCache, SeqChunk, StepLayout, paged_attend
 from llmlib.model.attention import AttentionSpec
+from llmlib.runtime.graphs import StepGraphs
 
 
 class StaticDecodeStep:
@@ -116,14 +118,15 @@ def _bucket(n: int, limit: int) -> int:
 
 
 class PagedDecodeGraphs:
-    """The batching engine's decode steps on CUDA graphs (``llmlib.LLM`` on a GPU).
+    """The batching engine's decode steps on fixed shapes (``llmlib.LLM``): CUDA graphs on a GPU
+    (:class:`llmlib.runtime.graphs.StepGraphs`), one ``torch.compile`` graph on a CPU that asks.
 
     A step in which every scheduled sequence decodes one token is run on a
     :class:`StaticDecodeStep` of ``rows x blocks``, both rounded up to a power
     of two (at most ``max_rows`` and ``max_blocks``): a batch of 37 sequences whose longest history
     spans 9 blocks runs in the step for 64 rows of 16 blocks. One graph per such pair is captured
-    the first time it is needed (or ahead of time with :meth:`capture`), after a warm-up; every
-    graph shares one memory pool. Steps that hold a prompt chunk, or exceed the limits, run eagerly.
+    the first time it is needed (or ahead of time with :meth:`capture`); every graph shares one
+    memory pool. Steps that hold a prompt chunk, or exceed the limits, run eagerly.
 
     ``forward(ids, positions, step)`` is the engine's forward pass, returning ``[rows, vocab]``
     logits. With ``enabled=False`` (the default off CUDA) the same fixed-shape steps run eagerly
@@ -146,17 +149,34 @@ class PagedDecodeGraphs:
                 f"PagedDecodeGraphs: max_rows ({max_rows}) and max_blocks ({max_blocks}) must be >= 1"
             )
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
-        self.max_rows, self.max_blocks, self.warmup = max_rows, max_blocks, warmup
+        self.max_rows, self.max_blocks = max_rows, max_blocks
         # a compiled forward traces sizes as symbols, except a size of 1, which it would compile
         # a second graph for: such a step pads one row (or block) more
         self.min_size = min_size
         self.enabled = (cache.device.type == "cuda") if enabled is None else bool(enabled)
         if self.enabled and cache.device.type != "cuda":
             raise ValueError("PagedDecodeGraphs: CUDA graphs need the KV pool on a CUDA device")
-        self._entries: dict[tuple[int, int], tuple[Any, Any, torch.Tensor | None]] = {}
-        self._pool = None
-        self.replays = 0  # steps served from a captured graph
-        self.static_steps = 0  # steps served by a fixed-shape step (graph or not)
+        self.steps = StepGraphs(
+            lambda key: StaticDecodeStep(cache, key[0], key[1], scratch_block),
+            lambda s: forward(s.ids, s.positions, s),
+            cache.device,
+            self.enabled,
+            warmup,
+        )
+
+    @property
+    def _entries(self) -> dict:
+        return self.steps.entries
+
+    @property
+    def replays(self) -> int:
+        """Steps served from a captured graph."""
+        return self.steps.replays
+
+    @property
+    def static_steps(self) -> int:
+        """Steps served by a fixed-shape step (graph or not)."""
+        return self.steps.runs
 
     def fits(self, chunks: Sequence[Any]) -> bool:
         """Whether a step of these chunks can run here: all single tokens, within the limits."""
@@ -172,29 +192,6 @@ class PagedDecodeGraphs:
             _bucket(max(self.min_size, *(c.start // bs + 1 for c in chunks)), self.max_blocks),
         )
 
-    @torch.inference_mode()
-    def _entry(self, key: tuple[int, int]) -> tuple[Any, Any, torch.Tensor | None]:
-        if key not in self._entries:
-            step = StaticDecodeStep(self.cache, key[0], key[1], self.scratch_block)
-            graph = out = None
-            if self.enabled:
-                dev = self.cache.device
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                # Warm up on a side stream (lazy initialisation must not happen inside a capture).
-                # The fresh step is all padding, so these passes write only into the scratch block.
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    for _ in range(self.warmup):
-                        self.forward(step.ids, step.positions, step)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.forward(step.ids, step.positions, step)
-            self._entries[key] = (step, graph, out)
-        return self._entries[key]
-
     def capture(self, max_rows: int | None = None, max_blocks: int | None = None) -> int:
         """Capture ahead of time every (rows, blocks) step up to these sizes (default: the limits),
         largest first, so that timed runs never pay for a capture. Returns how many exist."""
@@ -202,28 +199,18 @@ class PagedDecodeGraphs:
         NB = min(max_blocks or self.max_blocks, self.max_blocks)
         rows = sorted({_bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
         blocks = sorted({_bucket(n, self.max_blocks) for n in range(1, NB + 1)}, reverse=True)
-        for r in rows:
-            for b in blocks:
-                self._entry((r, b))
-        return len(self._entries)
+        return self.steps.capture([(r, b) for r in rows for b in blocks])
 
     @torch.inference_mode()
     def run_padding(self, rows: int) -> None:
         """Run the fixed-shape step of ``rows`` rows (a bucket) once, all padding: it writes only
         into the scratch block. A compiled forward compiles here, before any request waits."""
         size = min(self.min_size, self.max_blocks)
-        step = self._entry((_bucket(max(rows, self.min_size), self.max_rows), size))[0]
+        step = self.steps.entry((_bucket(max(rows, self.min_size), self.max_rows), size))[0]
         self.forward(step.ids, step.positions, step)
 
-    @torch.inference_mode()
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold)."""
-        step, graph, out = self._entry(self.key(chunks))
-        step.fill([SeqChunk(c.seq.block_table, c.start, 1) for c in chunks], token_ids)
-        self.static_steps += 1
-        if graph is None:
-            out = self.forward(step.ids, step.positions, step)
-        else:
-            graph.replay()
-            self.replays += 1
+        fixed = [SeqChunk(c.seq.block_table, c.start, 1) for c in chunks]
+        out = self.steps.run(self.key(chunks), lambda step: step.fill(fixed, token_ids))
         return out[: len(chunks)]

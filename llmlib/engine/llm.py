@@ -6,12 +6,11 @@ The split follows nano-vllm and vLLM:
 * :class:`~llmlib.engine.scheduler.Scheduler`: which sequences run this step, and how many tokens each;
 * :class:`~llmlib.engine.runner.ModelRunner`: the scheduled chunks through the model, one token
   sampled for every sequence that reached its end;
-* :class:`LLM` (here): prompts prepared (:mod:`llmlib.prompts`), tokens turned back into text with
-  stop strings (:class:`llmlib.text.TextStream`), results.
+* :mod:`~llmlib.engine.stopping`: where each sequence ends;
+* :class:`LLM` (here): prompts prepared (:mod:`llmlib.prompts`), requests in, results out.
 
-One engine *step* is: schedule, run, sample, append, detokenize. Every running sequence advances by
-one token per step, and new prompts join as soon as there is room, so the batch is always as full
-as memory and the token budget allow (continuous batching, {cite}`kwon2023`).
+One engine *step* is: schedule, run, sample, append. Every running sequence advances a token a
+step, and new prompts join as soon as there is room (continuous batching, {cite}`kwon2023`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import Any
 
 import torch
 
-from llmlib.engine import stopping
 from llmlib.engine.block_manager import BlockManager
 from llmlib.engine.load import default_num_blocks, load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
@@ -32,6 +30,7 @@ from llmlib.engine.runner import ModelRunner, StepResult
 from llmlib.engine.scheduler import Scheduler, SchedulerStats
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from llmlib.engine.speculate import engine_speculator
+from llmlib.engine.stopping import prompt_only
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
 
@@ -331,7 +330,7 @@ class LLM:
             return []
         parent.num_computed_tokens = c.start + c.length
         children, parent.forks = parent.forks, []
-        if reason := stopping.prompt_only(parent):  # a prompt scored: no choice generates
+        if reason := prompt_only(parent):  # a prompt scored: no choice generates
             for child in children:
                 self.scheduler.finish(child, reason)
             return children

@@ -8,24 +8,21 @@ matters on the CPU: gathering a row's blocks is then one ``index_select`` whose 
 view. The head-major layout needed a second copy, and that copy was a tenth of the engine's time.
 
 The model never sees any of this. Each forward pass gets a :class:`PagedStep`, built from the
-chunks of sequences scheduled in it. It implements the cache contract two ways:
+chunks of sequences scheduled in it, which keeps the layer's cache contract
+(:class:`llmlib.model.attention.KVCacheLike`) two ways:
 
-* ``k_all, v_all, mask = step.update(layer, k, v, positions)`` — the contract every cache has
-  (see :class:`llmlib.model.attention.Attention`): scatter the new keys and values into their slots,
-  gather each row's blocks, and return a mask saying which query may see which key (the same
-  sequence, at or before its position). Several sequences may share a row back to back; the mask
-  is then block-diagonal. Simple, and exactly attention over a contiguous cache.
-* ``out = step.attend(layer, q, k, v, spec)`` — what the model calls (the layer's contract,
-  :class:`llmlib.model.attention.KVCacheLike`). The step knows where
-  each sequence's tokens sit, so it computes attention sequence by sequence: a prefill chunk
-  attends over its own sequence's keys (causal), and the single-token (decode) chunks go through
-  batched calls, on a CPU one kernel that reads each sequence's blocks in place
-  (:mod:`llmlib.kernels.paged_attention`). So every token of a step, prefill or decode, shares one row.
+* ``out = step.attend(layer, q, k, v, spec)``, what the model calls: the step knows where each
+  sequence's tokens sit, so it attends sequence by sequence; a prefill chunk over its own
+  sequence's keys (causal), the single-token (decode) chunks in batched calls, on a CPU one
+  kernel that reads each sequence's blocks in place (:mod:`llmlib.kernels.paged_attention`).
+  So every token of a step, prefill or decode, shares one row;
+* ``k_all, v_all, mask = step.update(layer, k, v, positions)``, the contract's plain half:
+  scatter the new keys and values, gather each row's blocks, and mask which query may see which
+  key (the same sequence, at or before its position; block-diagonal when sequences share a row).
 
 A sliding-window layer (Mistral, Gemma's local layers) has ``spec.window = W`` (``update`` takes
-``window=W``); the masks (and the kernel) then hide keys ``W`` or more positions behind the query. Every block of a
-sequence stays allocated as for a full layer (freeing blocks that left every layer's window is a
-saving this engine does not make).
+``window=W``): the masks and the kernel hide keys ``W`` or more positions behind the query. Every
+block of a sequence stays allocated as for a full layer.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmlib.engine import stopping
 from llmlib.engine.block_manager import BlockManager, PrefixPending
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+from llmlib.engine.stopping import prompt_only, take
 
 
 @dataclass
@@ -236,7 +236,7 @@ class Scheduler:
             if not c.samples:
                 continue
             touched.append(seq)
-            if reason := stopping.prompt_only(seq):  # a prompt scored, nothing generated
+            if reason := prompt_only(seq):  # a prompt scored, nothing generated
                 self.finish(seq, reason)
                 continue
             kept = (accepted or {}).get(seq.seq_id, []) if c.draft else []
@@ -261,7 +261,7 @@ class Scheduler:
         seq.token_ids.append(tok)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        if reason := stopping.take(seq, tok, self.max_model_len):
+        if reason := take(seq, tok, self.max_model_len):
             self.finish(seq, reason)
 
     def adopt(self, child: Sequence, parent: Sequence, running: bool) -> None:

@@ -60,7 +60,7 @@ def shard_model(model: Transformer, tp: int, rank: int) -> Transformer:
 class WeightBytes:
     """What one rank holds: the model's tensors, and how much of that the table says it should."""
 
-    held: int  # bytes of every parameter of the rank's model (the dense tensors)
+    held: int  # bytes of the rank's model: its matrices as stored (one copy each), the rest
     expected: int  # the rank's shape table at the same element size
     replicated: int  # of which norms (and routers) every rank holds whole
     full: int  # the whole model's tensors at the same element size
@@ -68,9 +68,14 @@ class WeightBytes:
 
 def weight_bytes(model: nn.Module, cfg: ModelConfig, tp: int) -> WeightBytes:
     """Count a rank's resident weights against its shard and the whole model (same dtype)."""
-    params = list(model.parameters())
-    elt = params[0].element_size()
+    from llmlib.kernels.prepare import read_bytes, weight_matrices
+
+    mats = weight_matrices(model)
+    matrix_params = {id(m.weight) for m in mats.values()}
+    params = [p for p in model.parameters() if id(p) not in matrix_params]
+    elt = model.dtype.itemsize
     held = sum(p.numel() * p.element_size() for p in params)
+    held += sum(read_bytes(m.weight) for m in mats.values())
     local = param_shapes(shard_config(cfg, tp))
     full = param_shapes(cfg)
     replicated = sum(numel(s) for k, s in local.items() if s == full[k] and tp > 1 and s != ())

@@ -1,21 +1,17 @@
-"""CUDA graphs for the decode step: one launch instead of hundreds.
+"""The fixed-shape decode step of one request (or a static batch): its cache and its graphs.
 
-A decode step of a small model is a few hundred tiny kernels (norms, projections, RoPE,
-attention, the FFN, per layer). On a GPU each launch costs the CPU a few microseconds, and at
-batch 1 the kernels themselves are so short that the GPU spends much of its time waiting for
-Python to queue the next one. A CUDA graph records the whole step once and replays it with a
-single launch, so the step costs what the GPU work costs.
+A step that a CUDA graph replays, or that ``torch.compile`` traces once for good, must touch
+memory at fixed addresses with fixed shapes, whatever the request's length so far. That takes a
+cache preallocated at its full size and written in place at the positions, so that no Python-side
+length decides a shape: :class:`StaticKVCache`. Every step attends over all its slots under a
+mask built from the positions tensor (or, on a CPU, through :mod:`llmlib.kernels.paged_attention`
+over the slots written so far).
 
-A graph replays exactly the recorded kernels on exactly the recorded memory. So everything the
-step touches must live at a fixed address and have a fixed shape: the input ids and positions go
-into static buffers (copied in before each replay), the KV cache is preallocated
-(:class:`StaticKVCache`, written in place at the positions, so no Python-side length
-decides a shape), and one graph is captured per batch size (a smaller batch is padded up to the
-next captured size).
-
-On the CPU there is nothing to capture: :class:`GraphedDecoder` then calls the model directly,
-which is the same code path the tests exercise. :func:`compile_step` is the other route,
-``torch.compile(mode="reduce-overhead")``, which captures graphs behind the compiler's back.
+:class:`GraphedDecoder` is the decode step over it, replayed from CUDA graphs on a GPU
+(:class:`llmlib.runtime.graphs.StepGraphs`, the same machinery the batching engine uses) and
+called plainly elsewhere; :func:`compile_step` is the other route,
+``torch.compile(mode="reduce-overhead")``, which captures graphs behind the compiler's back; and
+:func:`greedy_decode` is the benchmarks' tight loop over them.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ import torch
 from llmlib.config import ModelConfig
 from llmlib.kernels.paged_attention import decode_attention, serves_pool, serves_spec
 from llmlib.model.attention import AttentionSpec
+from llmlib.runtime.graphs import StepGraphs
 
 
 class StaticKVCache:
@@ -152,8 +149,17 @@ def _default_enabled(model: torch.nn.Module) -> bool:
         return False
 
 
+class _DecodeInputs:
+    """The fixed input buffers of one decode step of ``rows`` sequences."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
+
+
 class GraphedDecoder:
-    """One decode step, ``logits = dec(ids[B, 1], positions[B, 1])``, replayed from CUDA graphs.
+    """One decode step, ``logits = dec(ids[B, 1], positions[B, 1])``, replayed from CUDA graphs
+    (:class:`llmlib.runtime.graphs.StepGraphs`).
 
     ``batch_sizes`` are the sizes to capture (a batch of 3 runs in the graph for 4, its spare row
     fed token 0 at position 0 and thrown away). With ``enabled=False`` (the default off CUDA) it
@@ -179,33 +185,22 @@ class GraphedDecoder:
             raise ValueError(
                 f"batch_sizes {list(batch_sizes)} must lie in 1..cache.max_batch ({cache.max_batch})"
             )
-        self.warmup = warmup
-        self.graphs: dict[int, Any] = {}
-        self._io: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.steps = StepGraphs(
+            lambda rows: _DecodeInputs(rows, cache.device),
+            lambda s: self.model(s.ids, s.pos, self.cache),
+            cache.device,
+            self.enabled,
+            warmup,
+        )
 
-    @torch.inference_mode()
+    @property
+    def graphs(self) -> dict[int, Any]:
+        return {k: g for k, (_, g, _) in self.steps.entries.items() if g is not None}
+
     def capture(self) -> GraphedDecoder:
         """Record one graph per batch size (CUDA only; a no-op when disabled)."""
-        if not self.enabled:
-            return self
-        dev = self.cache.device
-        pool = torch.cuda.graph_pool_handle()  # all sizes share one memory pool
-        for bs in sorted(self.batch_sizes, reverse=True):  # largest first: the pool fits all
-            ids = torch.zeros(bs, 1, dtype=torch.long, device=dev)
-            pos = torch.zeros(bs, 1, dtype=torch.long, device=dev)
-            # Warm up on a side stream, as PyTorch asks: lazy initialisation (cuBLAS handles,
-            # autotuning) must not happen inside the capture.
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.model(ids, pos, self.cache)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(ids, pos, self.cache)
-            self.graphs[bs], self._io[bs] = graph, (ids, pos, out)
-        torch.cuda.synchronize(dev)
+        if self.enabled:
+            self.steps.capture(sorted(self.batch_sizes, reverse=True))
         return self
 
     def _size_for(self, b: int) -> int:
@@ -226,15 +221,15 @@ class GraphedDecoder:
         if not self.enabled or not self.graphs:
             return self.model(ids, positions, self.cache)
         b = ids.shape[0]
-        bs = self._size_for(b)
-        s_ids, s_pos, out = self._io[bs]
-        s_ids[:b].copy_(ids)
-        s_pos[:b].copy_(positions)
-        if bs > b:
-            s_ids[b:].zero_()
-            s_pos[b:].zero_()
-        self.graphs[bs].replay()
-        return out[:b]
+
+        def fill(s: _DecodeInputs) -> None:
+            s.ids[:b].copy_(ids)
+            s.pos[:b].copy_(positions)
+            if s.ids.shape[0] > b:
+                s.ids[b:].zero_()
+                s.pos[b:].zero_()
+
+        return self.steps.run(self._size_for(b), fill)[:b]
 
 
 def compile_step(

@@ -1,0 +1,102 @@
+"""Fixed-shape steps replayed from CUDA graphs: one launch instead of hundreds.
+
+A decode step of a small model is a few hundred tiny kernels (norms, projections, RoPE,
+attention, the FFN, per layer). On a GPU each launch costs the CPU a few microseconds, and at
+small batches the kernels are so short that the GPU spends much of its time waiting for Python
+to queue the next one. A CUDA graph records the whole step once and replays it with a single
+launch, so the step costs what the GPU work costs.
+
+A graph replays exactly the recorded kernels on exactly the recorded memory. So a step must have
+a fixed shape and every input a fixed address: the step object holds its input buffers, a new
+step's values are copied into them before each replay, and one graph is captured per shape (a
+smaller step is padded up to the next captured one). :class:`StepGraphs` is that machinery, once,
+for both users: the one-request decode step over a static cache
+(:class:`llmlib.runtime.static.GraphedDecoder`) and the batching engine's decode steps over the
+paged pool (:class:`llmlib.engine.graphs.PagedDecodeGraphs`).
+
+Off CUDA there is nothing to capture: the same fixed-shape steps run as they are (eagerly, or
+through a ``torch.compile`` graph, :mod:`llmlib.runtime.compile`), which is what the CPU tests
+exercise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+
+
+class StepGraphs:
+    """One fixed-shape step per key, each run as it is or replayed from its CUDA graph.
+
+    ``make_step(key)`` builds a step (an object holding its input buffers); ``forward(step)``
+    runs the model on it and returns its output. With ``enabled`` (CUDA) each step is warmed up
+    ``warmup`` times on a side stream (lazy initialisation, cuBLAS handles and autotuning must not
+    happen inside a capture), then captured; every graph shares one memory pool.
+    """
+
+    def __init__(
+        self,
+        make_step: Callable[[Any], Any],
+        forward: Callable[[Any], torch.Tensor],
+        device: torch.device,
+        enabled: bool,
+        warmup: int = 2,
+    ) -> None:
+        if enabled and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.make_step, self.forward, self.device = make_step, forward, device
+        self.enabled, self.warmup = enabled, warmup
+        self.entries: dict[Hashable, tuple[Any, Any, torch.Tensor | None]] = {}
+        self._pool = None
+        self.replays = 0  # steps served from a captured graph
+        self.runs = 0  # steps served (graph or not)
+
+    @torch.inference_mode()
+    def entry(self, key: Hashable) -> tuple[Any, Any, torch.Tensor | None]:
+        """``(step, graph, output)`` of ``key``, built (and captured) the first time."""
+        if key not in self.entries:
+            step = self.make_step(key)
+            graph = out = None
+            if self.enabled:
+                graph, out = self._capture(step)
+            self.entries[key] = (step, graph, out)
+        return self.entries[key]
+
+    def _capture(self, step: Any) -> tuple[Any, torch.Tensor]:
+        dev = self.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.forward(step)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.forward(step)
+        return graph, out
+
+    def capture(self, keys: Iterable[Hashable]) -> int:
+        """Build every step of ``keys`` ahead of time (largest first, so the shared pool fits
+        them all); how many exist."""
+        for key in keys:
+            self.entry(key)
+        if self.enabled:
+            torch.cuda.synchronize(self.device)
+        return len(self.entries)
+
+    @torch.inference_mode()
+    def run(self, key: Hashable, fill: Callable[[Any], None]) -> torch.Tensor:
+        """Copy a step's values into ``key``'s buffers (``fill(step)``), run it, return its output
+        (the graph's own output buffer when replayed: read it before the next run)."""
+        step, graph, out = self.entry(key)
+        fill(step)
+        self.runs += 1
+        if graph is None:
+            return self.forward(step)
+        graph.replay()
+        self.replays += 1
+        return out
