@@ -36,7 +36,7 @@ _CACHE_LIMIT = 1 << 18
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer.
+    """Byte-level BPE tokenizer (and the base of :class:`~llmlib.tokenizer.spm.SentencePieceTokenizer`).
 
     Build one with :func:`llmlib.train_bpe` or :func:`llmlib.load_tokenizer`; the constructor
     is the low-level door that both use.
@@ -69,6 +69,10 @@ class Tokenizer:
         bos_id, eos_id, chat_template, add_bos: what the model around the tokenizer expects
             (read from GGUF metadata or ``tokenizer_config.json``).
     """
+
+    #: what a GGUF file calls this tokenizer (``tokenizer.ggml.model``, ``tokenizer.ggml.pre``)
+    gguf_model: str | None = None
+    gguf_pre: str | None = None
 
     def __init__(
         self,
