@@ -42,6 +42,11 @@ def save_tokenizer(tok: Any, path: str | os.PathLike[str]) -> None:
         for i in (a, b, ranks.get((a, b), (0, a))[1]):
             ids.setdefault(i, tok.id_to_bytes(i))
     vocab = {to_str(b, enc): i for i, b in sorted(ids.items())}
+    # and every literal token is in it under its own text, as in Hugging Face's files
+    literal = {**getattr(tok, "added_tokens", {}), **tok.special_tokens}
+    for text, i in sorted(literal.items(), key=lambda kv: kv[1]):
+        if i not in ids:
+            vocab.setdefault(text, i)
     merges = [
         f"{to_str(tok.id_to_bytes(a), enc)} {to_str(tok.id_to_bytes(b), enc)}" for a, b in pairs
     ]

@@ -26,16 +26,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from llmlib.tokenizer.bytelevel import byte_decoder, bytes_to_unicode
 from llmlib.tokenizer.core import Tokenizer
 from llmlib.tokenizer.gguf_pre import GGUF_PRE
-from llmlib.tokenizer.merge import merge_table
+from llmlib.tokenizer.merge import MergeRanks
 from llmlib.tokenizer.pretokenize import SMOLLM2
 from llmlib.tokenizer.spm import (
     CONTROL,
@@ -221,7 +220,7 @@ def _build(p: Path, meta: dict[str, Any]) -> Tokenizer:
         tok = SentencePieceTokenizer(
             tokens,
             types,
-            merges=_merge_pairs(meta, where),
+            merges=_merge_list(meta, where),
             add_space_prefix=flag("add_space_prefix", False),
             literal_kinds=roles,
             bos_id=tid("bos"),
@@ -277,10 +276,10 @@ def _byte_level(
                 plain[i] = t.encode("utf-8")
     vocab = {**plain, **byte_level}  # where bytes coincide, the byte-level token wins the lookup
     text_id = {t: i for i, t in enumerate(tokens)}
-    merges, ranks = merge_table(*_merge_pairs(meta, where), text_id, where)
+    ranks = MergeRanks(_merge_list(meta, where), tokens, text_id)
     tok = Tokenizer(
         vocab,
-        merges,
+        None,
         pattern,
         specials,
         added_tokens=added,
@@ -296,23 +295,11 @@ def _byte_level(
     return tok
 
 
-def _merge_pairs(meta: dict[str, Any], where: str) -> tuple[Sequence[str], Sequence[str]]:
-    """The merge list as (lefts, rights). A merge is ``"left right"``, split at the first space
-    after the first character (a left token may itself start with a space, as llama.cpp
-    allows)."""
+def _merge_list(meta: dict[str, Any], where: str) -> list[str]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise ValueError(f"{where}: BPE tokenizer without merges (tokenizer.ggml.merges)")
-    lefts, seps, rights = zip(*map(str.partition, merges, itertools.repeat(" ")))
-    if "" in lefts or "" in seps:  # a merge with a leading space, or with none at all
-        lefts, rights = [], []
-        for k, m in enumerate(merges):
-            pos = m.find(" ", 1)
-            if pos < 0:
-                raise ValueError(f"{where}: merges[{k}] = {m!r} is not 'left right'")
-            lefts.append(m[:pos])
-            rights.append(m[pos + 1 :])
-    return lefts, rights
+    return merges
 
 
 @functools.lru_cache(maxsize=1)

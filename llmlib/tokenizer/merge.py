@@ -16,36 +16,81 @@ symbols costs O(n log n) rather than O(n^2).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from heapq import heapify, heappop, heappush
 
 
-def merge_table(
-    lefts: Sequence[str], rights: Sequence[str], text_id: dict[str, int], where: str = "merges"
-) -> tuple[list[tuple[int, int]], dict[tuple[int, int], tuple[int, int]]]:
-    """A merge list given as texts (``lefts[k] + rights[k]``, rank k) -> the id pairs, and the
-    table ``(left, right) -> (rank, merged id)`` (the first rank where a pair is listed twice)."""
-    get = text_id.get
-    ia = list(map(get, lefts))
-    ib = list(map(get, rights))
-    im = list(map(get, map(operator.add, lefts, rights)))
-    if None in ia or None in ib or None in im:
-        k = next(k for k in range(len(ia)) if None in (ia[k], ib[k], im[k]))
-        raise ValueError(
-            f"{where}: merges[{k}] = {lefts[k]!r} + {rights[k]!r} does not join two tokens into one"
-        )
-    merges = list(zip(ia, ib))
-    # built from the end, so that the first rank of a pair listed twice is the one kept
-    ranks = dict(zip(reversed(merges), zip(range(len(merges) - 1, -1, -1), reversed(im))))
-    return merges, ranks  # type: ignore[return-value]
+class MergeRanks:
+    """A GGUF merge list (``"left right"`` strings in rank order) as the table ``(left id,
+    right id) -> (rank, merged id)``, filled in only for the pairs that text actually meets.
+
+    Building the whole table of a 262,144-token vocabulary with 514,906 merges (Gemma 4) takes
+    seconds; one dictionary from merge string to rank takes a fraction of one, and a pair is
+    looked up as ``texts[left] + " " + texts[right]``. That is exact when every merge string has
+    one space, not at the start (no token in the list holds a space), as in every byte-level
+    vocabulary; otherwise the table is built whole, splitting each merge at its first space
+    after the first character, as llama.cpp does. A merge whose pieces or result are not tokens
+    never applies.
+    """
+
+    def __init__(self, merges: Sequence[str], texts: Sequence[str], text_id: dict[str, int]):
+        self._texts, self._text_id = texts, text_id
+        self.memo: dict[tuple[int, int], tuple[int, int] | None] = {}
+        # built from the end, so that the first rank of a merge listed twice is the one kept
+        self._rank = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+        self._lazy = all(m.count(" ") == 1 and m[:1] != " " for m in self._rank)
+        if not self._lazy:
+            for pair, hit in self._table(merges):
+                self.memo.setdefault(pair, hit)
+        self._merges = merges
+
+    def _table(self, merges: Sequence[str]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        get = self._text_id.get
+        out = []
+        for k, m in enumerate(merges):
+            pos = m.find(" ", 1)
+            a, b = (m[:pos], m[pos + 1 :]) if pos > 0 else ("", "")
+            ia, ib, im = get(a), get(b), get(a + b)
+            if ia is not None and ib is not None and im is not None:
+                out.append(((ia, ib), (k, im)))
+        return out
+
+    def fill(self, pair: tuple[int, int]) -> tuple[int, int] | None:
+        """Look ``pair`` up in the merge strings (and remember the answer)."""
+        hit = None
+        a, b = pair
+        if self._lazy and a >= 0 and b >= 0:
+            ta, tb = self._texts[a], self._texts[b]
+            rank = self._rank.get(ta + " " + tb)
+            if rank is not None:
+                merged = self._text_id.get(ta + tb)
+                hit = None if merged is None else (rank, merged)
+        self.memo[pair] = hit
+        return hit
+
+    def get(self, pair: tuple[int, int], default: object = None) -> object:
+        hit = self.memo[pair] if pair in self.memo else self.fill(pair)
+        return default if hit is None else hit
+
+    def items(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The whole table (built on demand: for :meth:`Tokenizer.merge_list` and saving)."""
+        seen: dict[tuple[int, int], tuple[int, int]] = {}
+        for pair, hit in self._table(self._merges):
+            seen.setdefault(pair, hit)
+        return list(seen.items())
+
+    def __len__(self) -> int:
+        return len(self._rank)
 
 
+_MISS = object()
 # Below this many symbols the rescanning loop beats the heap's bookkeeping.
 _SHORT = 24
 
 
-def bpe_merge(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+def bpe_merge(
+    ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]] | MergeRanks
+) -> list[int]:
     """Merge ``ids`` by rank: ``ranks[(left, right)] = (rank, merged id)``.
 
     The lowest rank goes first and, between equal ranks, the leftmost pair. Ids that are in no
@@ -53,17 +98,22 @@ def bpe_merge(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> 
     """
     if len(ids) < 2:
         return list(ids)
+    if isinstance(ranks, MergeRanks):
+        get, fill = ranks.memo.get, ranks.fill
+    else:
+        get, fill = ranks.get, None
     if len(ids) <= _SHORT:
-        return _bpe_rescan(list(ids), ranks)
-    return _bpe_heap(ids, ranks)
+        return _bpe_rescan(list(ids), get, fill)
+    return _bpe_heap(ids, get, fill)
 
 
-def _bpe_rescan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    get = ranks.get
+def _bpe_rescan(ids: list[int], get, fill) -> list[int]:  # type: ignore[no-untyped-def]
     while len(ids) > 1:
         best_rank, best_i, best_id = None, -1, -1
         for i in range(len(ids) - 1):
-            hit = get((ids[i], ids[i + 1]))
+            hit = get((ids[i], ids[i + 1]), _MISS)
+            if hit is _MISS:
+                hit = fill((ids[i], ids[i + 1])) if fill is not None else None
             if hit is not None and (best_rank is None or hit[0] < best_rank):
                 best_rank, best_i, best_id = hit[0], i, hit[1]
         if best_rank is None:
@@ -72,8 +122,13 @@ def _bpe_rescan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -
     return ids
 
 
-def _bpe_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    get = ranks.get
+def _bpe_heap(ids: list[int], get, fill) -> list[int]:  # type: ignore[no-untyped-def]
+    def look(a: int, b: int) -> tuple[int, int] | None:
+        hit = get((a, b), _MISS)
+        if hit is _MISS:
+            return fill((a, b)) if fill is not None else None
+        return hit
+
     n = len(ids)
     sym = list(ids)
     nxt = list(range(1, n + 1))
@@ -84,7 +139,7 @@ def _bpe_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> 
     # left to right, so equal ranks pop leftmost first
     heap = []
     for i in range(n - 1):
-        hit = get((sym[i], sym[i + 1]))
+        hit = look(sym[i], sym[i + 1])
         if hit is not None:
             heap.append((hit[0], i, sym[i], sym[i + 1], hit[1]))
     heapify(heap)
@@ -100,12 +155,12 @@ def _bpe_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> 
         nxt[i] = k
         if k >= 0:
             prv[k] = i
-            hit = get((merged, sym[k]))
+            hit = look(merged, sym[k])
             if hit is not None:
                 heappush(heap, (hit[0], i, merged, sym[k], hit[1]))
         p = prv[i]
         if p >= 0:
-            hit = get((sym[p], merged))
+            hit = look(sym[p], merged)
             if hit is not None:
                 heappush(heap, (hit[0], p, sym[p], merged, hit[1]))
     out = []

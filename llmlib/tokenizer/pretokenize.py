@@ -78,19 +78,27 @@ _POSSESSIVE_INTERVAL = regex.compile(
 )
 
 
+# An escape \UXXXXXXXX (a character past U+FFFF) is ``regex``'s, not Oniguruma's, which
+# writes \x{XXXXX} (and ``regex`` does not read that). An even run of backslashes before it is
+# escaped backslashes, not the escape.
+_WIDE_ESCAPE = regex.compile(r"(?<!\\)((?:\\\\)*)\\U([0-9a-fA-F]{8})")
+_ONIG_WIDE = regex.compile(r"(?<!\\)((?:\\\\)*)\\x\{([0-9a-fA-F]{1,8})\}")
+
+
 def to_onig(pattern: str) -> str:
     """Rewrite a pattern so Oniguruma (``tokenizers``) reads it as ``regex`` does."""
-    return _POSSESSIVE_INTERVAL.sub(
+    pat = _POSSESSIVE_INTERVAL.sub(
         lambda m: f"(?>{m.group(1)}{m.group(2)})", resolve_pattern(pattern)
     )
+    return _WIDE_ESCAPE.sub(lambda m: f"{m.group(1)}\\x{{{int(m.group(2), 16):x}}}", pat)
 
 
 def from_onig(pattern: str) -> str:
-    """Inverse of :func:`to_onig` for the named patterns (so a saved file reloads as ``"gpt4"``)."""
+    """Inverse of :func:`to_onig` (so a saved file reloads as ``"gpt4"``, say)."""
     for pat in PATTERNS.values():
         if to_onig(pat) == pattern:
             return pat
-    return pattern
+    return _ONIG_WIDE.sub(lambda m: f"{m.group(1)}\\U{int(m.group(2), 16):08x}", pattern)
 
 
 @functools.lru_cache(maxsize=32)

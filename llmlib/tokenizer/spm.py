@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import regex
 
 from llmlib.tokenizer.core import Tokenizer
-from llmlib.tokenizer.merge import bpe_merge, merge_table, spm_merge
+from llmlib.tokenizer.merge import MergeRanks, bpe_merge, spm_merge
 
 SPACE = "\u2581"  # ▁, SentencePiece's visible space
 
@@ -56,8 +56,8 @@ class SentencePieceTokenizer(Tokenizer):
             user-defined ones are added tokens (always matched), byte tokens stand for a byte,
             unused ones for nothing.
         scores: per token, for SentencePiece merging (the higher, the earlier).
-        merges: instead of scores, the merge list in rank order as ``(lefts, rights)``, the
-            texts of the two tokens of each merge (Gemma 4); each line is then merged on its own.
+        merges: instead of scores, the merge list in rank order, ``"left right"`` token texts
+            (Gemma 4); each line is then merged on its own.
         add_space_prefix: put a space before a fragment that starts the text or follows a
             literal token.
         literal_kinds: override ``kinds`` for the literal tokens: ``id -> "special" | "added"``
@@ -70,7 +70,7 @@ class SentencePieceTokenizer(Tokenizer):
         tokens: list[str],
         kinds: list[int],
         scores: list[float] | None = None,
-        merges: tuple[Sequence[str], Sequence[str]] | None = None,
+        merges: Sequence[str] | None = None,
         *,
         add_space_prefix: bool = True,
         literal_kinds: dict[int, str] | None = None,
@@ -111,6 +111,11 @@ class SentencePieceTokenizer(Tokenizer):
         # llama.cpp's token_to_id: every text, the last id where two tokens share one
         self._text_id: dict[str, int] = {t: i for i, t in enumerate(tokens)}
         self._scores = [float(x) for x in scores] if scores is not None else None
+        # every two characters that stand next to each other in some token (all tokens: any
+        # text may be looked up)
+        self._pairs: frozenset[str] = frozenset(
+            t[k : k + 2] for t in (tokens if scores is not None else ()) for k in range(len(t) - 1)
+        )
         self._literal_ids = frozenset({*specials.values(), *added.values()})
         # byte b -> <0xBB>, else the one-character token (llama.cpp's byte_to_token)
         self._byte_ids = [
@@ -119,7 +124,7 @@ class SentencePieceTokenizer(Tokenizer):
         ]
         self.missing_bytes = bytes(b for b in range(256) if self._byte_ids[b] is None)
         if merges is not None:
-            self.merges, self._ranks = merge_table(*merges, self._text_id)
+            self._ranks = MergeRanks(merges, self.tokens, self._text_id)
         self._piece_cache: dict[str, list[int]] = {}
 
     @property
@@ -148,14 +153,16 @@ class SentencePieceTokenizer(Tokenizer):
         cache = self._piece_cache
         if len(cache) > _CACHE_LIMIT:
             cache.clear()
-        if self._scores is not None:
-            ids = cache.get(text)
-            if ids is None:
-                ids = self._spell(spm_merge(text, self._text_id, self._scores))
-                if len(text) <= _CACHE_PIECE:
-                    cache[text] = ids
-            return ids
         out: list[int] = []
+        if self._scores is not None:
+            for piece in self._independent(text):
+                ids = cache.get(piece)
+                if ids is None:
+                    ids = self._spell(spm_merge(piece, self._text_id, self._scores))
+                    if len(piece) <= _CACHE_PIECE:
+                        cache[piece] = ids
+                out.extend(ids)
+            return out
         for piece in _NEWLINE_RUNS.findall(text):
             ids = cache.get(piece)
             if ids is None:
@@ -164,6 +171,18 @@ class SentencePieceTokenizer(Tokenizer):
                     cache[piece] = ids
             out.extend(ids)
         return out
+
+    def _independent(self, text: str) -> list[str]:
+        """Cut ``text`` where no merge can ever cross: between two characters that are next to
+        each other in no token. SentencePiece merges only pieces whose concatenation is a
+        token, so a piece that spans such a place cannot arise, and the two sides merge
+        exactly as they would together. (For Llama 2 that is before every ``▁`` that follows
+        a letter: the cuts make words, which the cache then keeps.)"""
+        pairs = self._pairs
+        cuts = [i for i in range(1, len(text)) if text[i - 1 : i + 1] not in pairs]
+        if not cuts:
+            return [text]
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
     def _bpe_chars(self, piece: str) -> list[int]:
         """Gemma 4's BPE over the characters of one piece."""
