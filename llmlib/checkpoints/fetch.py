@@ -150,7 +150,8 @@ def fetch_vocab_suite(quiet: bool = False) -> Path:
     """Make sure llama.cpp's vocabulary tests are in the cache; return their folder.
 
     Downloads the source distribution of :data:`VOCAB_SDIST_SPEC` with ``pip download --no-deps
-    --no-binary :all:`` (never building or installing it), and takes out only the
+    --no-binary llama-cpp-python`` (never building or installing it; pip only reads its
+    metadata), and takes out only the
     ``vendor/llama.cpp/models/ggml-vocab-*.gguf`` files that have ``.inp`` and ``.out`` tests,
     with those tests. A ``MANIFEST`` of names and sizes, written last, marks a complete copy, so
     a second call finds it and does nothing. Raises :class:`FetchError` when pip cannot reach the
@@ -180,8 +181,10 @@ def fetch_vocab_suite(quiet: bool = False) -> Path:
             "pip",
             "download",
             "--no-deps",
+            # the sdist of this package only: ":all:" would also make pip build the build
+            # backend's own tools from source to read the metadata (minutes instead of seconds)
             "--no-binary",
-            ":all:",
+            "llama-cpp-python",
             "--disable-pip-version-check",
             "--progress-bar",
             "off" if quiet else "on",
