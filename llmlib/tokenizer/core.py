@@ -73,6 +73,9 @@ class Tokenizer:
     #: what a GGUF file calls this tokenizer (``tokenizer.ggml.model``, ``tokenizer.ggml.pre``)
     gguf_model: str | None = None
     gguf_pre: str | None = None
+    #: whether the model expects ``eos_id`` after every prompt (GGUF's add_eos_token; BERT-style
+    #: encoders do), which, like ``add_bos``, the caller adds
+    add_eos: bool = False
 
     def __init__(
         self,

@@ -51,7 +51,8 @@ _EOG_TEXTS = frozenset(
     "<|endoftext|> </s> <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> "
     "<end_of_utterance> <eos> <turn|> <|tool_response> <｜end▁of▁sentence｜> [e~[".split()
 )
-# fill-in-the-middle markers: where the file names none, the first of these found becomes one
+# fill-in-the-middle markers: where the file names none, one of these found becomes a control
+# token (llama.cpp takes the first its hash map yields; we take the lowest id)
 _FIM_TEXTS = {
     ("fim_pre", "prefix"): "<|fim_prefix|> <fim-prefix> <fim_prefix> <｜fim▁begin｜> <PRE> "
     "▁<PRE> <|code_prefix|> <|prefix|>",
@@ -241,6 +242,8 @@ def _build(p: Path, meta: dict[str, Any]) -> Tokenizer:
         common["add_bos"] = flag("add_bos_token", spec.add_bos)
         tok = _byte_level(tokens, roles, meta, pre, where, common)
     tok.gguf_model, tok.gguf_pre = kind, pre
+    # BERT closes with [SEP] (our eos_id there), by llama.cpp's add_sep
+    tok.add_eos = flag("add_sep_token", True) if kind == "bert" else flag("add_eos_token", False)
     return tok
 
 
