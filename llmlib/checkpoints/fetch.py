@@ -137,3 +137,108 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_path:
         print(path)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's tokenizer test suite: small vocabulary-only GGUF files (ggml-vocab-NAME.gguf) with
+# test strings (.inp) and the ids llama.cpp gives them (.out). llama.cpp's repository holds them
+# in models/; the PyPI source distribution of llama-cpp-python vendors that repository, so pip
+# can fetch them where only the package index is reachable. Read by llmlib.tokenizer.suite.
+VOCAB_SDIST_SPEC = "llama-cpp-python==0.3.36"
+VOCAB_DIR_NAME = "llama-cpp-vocab"
+
+
+def fetch_vocab_suite(quiet: bool = False) -> Path:
+    """Make sure llama.cpp's vocabulary tests are in the cache; return their folder.
+
+    Downloads the source distribution of :data:`VOCAB_SDIST_SPEC` with ``pip download --no-deps
+    --no-binary llama-cpp-python`` (never building or installing it; pip only reads its
+    metadata), and takes out only the
+    ``vendor/llama.cpp/models/ggml-vocab-*.gguf`` files that have ``.inp`` and ``.out`` tests,
+    with those tests. A ``MANIFEST`` of names and sizes, written last, marks a complete copy, so
+    a second call finds it and does nothing. Raises :class:`FetchError` when pip cannot reach the
+    package index.
+    """
+    import re
+    import tarfile
+
+    target = cache_dir() / VOCAB_DIR_NAME
+    manifest = target / "MANIFEST"
+    if manifest.is_file():
+        listed = [line.split("\t") for line in manifest.read_text().splitlines() if line]
+        if listed and all(
+            (target / name).is_file() and (target / name).stat().st_size == int(size)
+            for name, size in listed
+        ):
+            if not quiet:
+                print(f"llmlib fetch: {target} is already here ({len(listed)} files)")
+            return target
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="llmlib-vocab-") as tmp:
+        if not quiet:
+            print(f"llmlib fetch: downloading the sdist of {VOCAB_SDIST_SPEC} (about 77 MB) ...")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            # the sdist of this package only: ":all:" would also make pip build the build
+            # backend's own tools from source to read the metadata (minutes instead of seconds)
+            "--no-binary",
+            "llama-cpp-python",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off" if quiet else "on",
+            "-d",
+            tmp,
+            VOCAB_SDIST_SPEC,
+        ]
+        try:
+            proc = subprocess.run(
+                cmd,
+                stdout=None if not quiet else subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=1800,
+            )
+        except subprocess.TimeoutExpired:
+            raise FetchError(f"pip download of {VOCAB_SDIST_SPEC} took over 30 minutes") from None
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or "").strip().splitlines()[-5:])
+            raise FetchError(
+                f"could not download {VOCAB_SDIST_SPEC} from the package index (no network, or "
+                f"the index is unreachable?). pip said:\n{tail}"
+            )
+        sdists = list(Path(tmp).glob("*.tar.gz"))
+        if not sdists:
+            raise FetchError(f"pip download of {VOCAB_SDIST_SPEC} produced no source archive")
+        wanted = re.compile(
+            r"[^/]+/vendor/llama\.cpp/models/(ggml-vocab-[\w.+-]+\.gguf)(\.inp|\.out)?"
+        )
+        with tarfile.open(sdists[0], "r:gz") as tar:
+            members: dict[str, tarfile.TarInfo] = {}
+            for m in tar.getmembers():
+                hit = wanted.fullmatch(m.name)
+                if hit and m.isfile():
+                    members[hit.group(1) + (hit.group(2) or "")] = m
+            names = sorted(
+                n
+                for n in members
+                if n.endswith(".gguf") and f"{n}.inp" in members and f"{n}.out" in members
+            )
+            if not names:
+                raise FetchError(f"{sdists[0].name} holds no ggml-vocab-*.gguf tests")
+            files = [f for n in names for f in (n, f"{n}.inp", f"{n}.out")]
+            for name in files:
+                src = tar.extractfile(members[name])
+                if src is None:
+                    raise FetchError(f"{sdists[0].name}: cannot read {name}")
+                partial = target / (name + ".part")
+                with src, open(partial, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                partial.replace(target / name)
+    manifest.write_text("".join(f"{n}\t{(target / n).stat().st_size}\n" for n in files))
+    if not quiet:
+        print(f"llmlib fetch: {target} ({len(names)} vocabularies with their tests)")
+    return target

@@ -12,13 +12,15 @@ different clothes:
 The pre-tokenizer regex lives elsewhere in each: a ``Split`` pre-tokenizer in the JSON, a
 pre-tokenizer *name* (``tokenizer.ggml.pre``) in GGUF, nothing at all in ``.tiktoken`` (it is
 in tiktoken's source code, so known files are recognised by name here).
+
+GGUF files also hold vocabularies that are not byte-level (SentencePiece's Llama 2, Gemma 4);
+:mod:`llmlib.tokenizer.gguf_vocab` reads every kind llama.cpp's tokenizer tests cover.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import os
 from pathlib import Path
@@ -26,7 +28,9 @@ from typing import Any
 
 from llmlib.tokenizer.bytelevel import byte_decoder, to_bytes
 from llmlib.tokenizer.core import Tokenizer
-from llmlib.tokenizer.pretokenize import GPT2, GPT4, LLAMA3, PATTERNS, SMOLLM2, from_onig
+from llmlib.tokenizer.gguf_pre import GGUF_PRE
+from llmlib.tokenizer.gguf_vocab import load_gguf
+from llmlib.tokenizer.pretokenize import GPT2, GPT4, PATTERNS, SMOLLM2, from_onig
 
 # tiktoken files carry neither pattern nor special tokens; these are tiktoken's own values.
 TIKTOKEN_KNOWN: dict[str, tuple[str, dict[str, int]]] = {
@@ -42,16 +46,6 @@ TIKTOKEN_KNOWN: dict[str, tuple[str, dict[str, int]]] = {
     ),
     "r50k_base": (GPT2, {"<|endoftext|>": 50256}),
     "p50k_base": (GPT2, {"<|endoftext|>": 50256}),
-}
-
-# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> (regex, ignore_merges)
-GGUF_PRE: dict[str, tuple[str, bool]] = {
-    "default": (GPT2, False),
-    "gpt-2": (GPT2, False),
-    "gpt2": (GPT2, False),
-    "smollm": (SMOLLM2, False),
-    "llama-bpe": (LLAMA3, True),
-    "llama3": (LLAMA3, True),
 }
 
 
@@ -86,8 +80,8 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
     )
 
 
-def _hf_pattern(pre: Any, where: str) -> str:
-    """The single regex equivalent to a supported Hugging Face byte-level pre-tokenizer."""
+def _hf_pattern(pre: Any, where: str) -> str | tuple[str, ...]:
+    """The regex (or regex sequence) equivalent to a supported byte-level pre-tokenizer."""
 
     def bytelevel(d: dict[str, Any]) -> bool:
         if d.get("add_prefix_space"):
@@ -104,14 +98,21 @@ def _hf_pattern(pre: Any, where: str) -> str:
     if kind == "Sequence":
         items = pre.get("pretokenizers") or []
         kinds = [d.get("type") for d in items]
-        if kinds == ["Split", "ByteLevel"] and not bytelevel(items[1]):
-            split = items[0]
-            pat = split.get("pattern", {})
-            if split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in pat:
-                raise ValueError(
-                    f"{where}: only Split(Regex, behavior='Isolated') is supported, got {split}"
-                )
-            return from_onig(pat["Regex"])
+        if (
+            len(kinds) >= 2
+            and set(kinds[:-1]) == {"Split"}
+            and kinds[-1] == "ByteLevel"
+            and not bytelevel(items[-1])
+        ):
+            regexes = []
+            for split in items[:-1]:
+                pat = split.get("pattern", {})
+                if split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in pat:
+                    raise ValueError(
+                        f"{where}: only Split(Regex, behavior='Isolated') is supported, got {split}"
+                    )
+                regexes.append(from_onig(pat["Regex"]))
+            return regexes[0] if len(regexes) == 1 else tuple(regexes)
         if (
             kinds == ["Digits", "ByteLevel"]
             and items[0].get("individual_digits")
@@ -147,19 +148,22 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
     pattern = _hf_pattern(data.get("pre_tokenizer"), str(p))
 
     dec = byte_decoder()
-    specials = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
-    special_ids = set(specials.values())
+    # added tokens: special ones are matched only when allowed; non-special ones always
+    listed = data.get("added_tokens") or []
+    specials = {t["content"]: int(t["id"]) for t in listed if t.get("special", True)}
+    added = {t["content"]: int(t["id"]) for t in listed if not t.get("special", True)}
+    special_ids = {*specials.values(), *added.values()}
     vocab = {
         int(i): to_bytes(s, dec, str(p))
         for s, i in model["vocab"].items()
         if int(i) not in special_ids
     }
-    ids = {b: i for i, b in vocab.items()}
+    ids = {s: int(i) for s, i in model["vocab"].items()}
     merges = []
     for k, m in enumerate(model["merges"]):
         left, right = m.split(" ") if isinstance(m, str) else m
         try:
-            merges.append((ids[to_bytes(left, dec, str(p))], ids[to_bytes(right, dec, str(p))]))
+            merges.append((ids[left], ids[right]))
         except KeyError:
             raise ValueError(
                 f"{str(p)!r}: merges[{k}] = {m!r} names a token that is not in the vocab"
@@ -174,7 +178,7 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
         def tid(key: str) -> int | None:
             v = cfg.get(key)
             v = v.get("content") if isinstance(v, dict) else v
-            return specials.get(v) if isinstance(v, str) else None
+            return {**added, **specials}.get(v) if isinstance(v, str) else None
 
         bos, eos = tid("bos_token"), tid("eos_token")
         template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
@@ -184,6 +188,7 @@ def load_hf_json(path: str | os.PathLike[str]) -> Tokenizer:
         merges,
         pattern,
         specials,
+        added_tokens=added,
         ignore_merges=bool(model.get("ignore_merges")),
         bos_id=bos,
         eos_id=eos,
@@ -244,94 +249,8 @@ def load_tiktoken(
     )
 
 
-def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
-    """Read the tokenizer stored in a GGUF model file's metadata (llama.cpp's "gpt2" BPE type).
-
-    The header is parsed by :mod:`llmlib.gguf_file` (a fraction of a second for SmolLM2's 49,152
-    tokens and 48,900 merges). Tokens are byte-level strings like in tokenizer.json; control and
-    user-defined tokens (token_type 3 and 4) are the special tokens. The parsed fields are cached
-    per file, since notebooks and tests open the same file many times.
-    """
-    p = Path(path)
-    st = p.stat()
-    vocab, merges, specials, pre, bos, eos, template, add_bos = _read_gguf_tokenizer(
-        str(p.resolve()), st.st_mtime_ns, st.st_size
-    )
-    pattern, ignore_merges = GGUF_PRE[pre]
-    return Tokenizer(
-        vocab,
-        merges,
-        pattern,
-        specials,
-        ignore_merges=ignore_merges,
-        bos_id=bos,
-        eos_id=eos,
-        chat_template=template,
-        name=p.name,
-        add_bos=add_bos,
-    )
-
-
-@functools.lru_cache(maxsize=4)
-def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> tuple:
-    from llmlib.gguf_file import GGUFFormatError, read_gguf_file
-
-    try:
-        meta = read_gguf_file(path).metadata
-    except GGUFFormatError as e:
-        raise ValueError(f"{path!r}: not a readable GGUF file ({e})") from None
-
-    def field(key: str, default: Any = None) -> Any:
-        return meta.get(key, default)
-
-    kind = field("tokenizer.ggml.model")
-    if kind is None:
-        raise ValueError(f"{path!r}: GGUF file has no tokenizer (tokenizer.ggml.model missing)")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path!r}: GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only)"
-        )
-    pre = field("tokenizer.ggml.pre", "default")
-    if pre not in GGUF_PRE:
-        raise ValueError(f"{path!r}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE)}")
-    tokens: list[str] = field("tokenizer.ggml.tokens") or []
-    types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges_txt: list[str] = field("tokenizer.ggml.merges") or []
-    if len(types) != len(tokens):
-        raise ValueError(f"{path!r}: {len(tokens)} tokens but {len(types)} token types")
-
-    dec = byte_decoder()
-    vocab: dict[int, bytes] = {}
-    specials: dict[str, int] = {}
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty in (3, 4):  # CONTROL, USER_DEFINED
-            specials[t] = i
-        else:
-            vocab[i] = to_bytes(t, dec, f"{path!r} token {i}")
-    ids = {b: i for i, b in vocab.items()}
-    merges = []
-    for k, m in enumerate(merges_txt):
-        left, _, right = m.partition(" ")
-        try:
-            merges.append((ids[to_bytes(left, dec, path)], ids[to_bytes(right, dec, path)]))
-        except KeyError:
-            raise ValueError(
-                f"{path!r}: merges[{k}] = {m!r} names a token that is not in the vocab"
-            ) from None
-    bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
-    return (
-        vocab,
-        merges,
-        specials,
-        pre,
-        None if bos is None else int(bos),
-        None if eos is None else int(eos),
-        field("tokenizer.chat_template"),
-        bool(field("tokenizer.ggml.add_bos_token", False)),
-    )
-
-
 __all__ = [
+    "GGUF_PRE",
     "PATTERNS",
     "load_gguf",
     "load_hf_json",

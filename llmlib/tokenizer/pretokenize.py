@@ -60,8 +60,10 @@ def resolve_pattern(pattern: str) -> str:
     return PATTERNS.get(pattern, pattern)
 
 
-def pattern_name(regex_str: str) -> str | None:
-    """The name of a known pattern string, or None if it is a custom regex."""
+def pattern_name(regex_str: str | tuple[str, ...] | None) -> str | None:
+    """The name of a known pattern string, or None if it is a custom regex (or a sequence)."""
+    if not isinstance(regex_str, str):
+        return None
     for name, pat in PATTERNS.items():
         if pat == regex_str:
             return name
@@ -76,19 +78,27 @@ _POSSESSIVE_INTERVAL = regex.compile(
 )
 
 
+# An escape \UXXXXXXXX (a character past U+FFFF) is ``regex``'s, not Oniguruma's, which
+# writes \x{XXXXX} (and ``regex`` does not read that). An even run of backslashes before it is
+# escaped backslashes, not the escape.
+_WIDE_ESCAPE = regex.compile(r"(?<!\\)((?:\\\\)*)\\U([0-9a-fA-F]{8})")
+_ONIG_WIDE = regex.compile(r"(?<!\\)((?:\\\\)*)\\x\{([0-9a-fA-F]{1,8})\}")
+
+
 def to_onig(pattern: str) -> str:
     """Rewrite a pattern so Oniguruma (``tokenizers``) reads it as ``regex`` does."""
-    return _POSSESSIVE_INTERVAL.sub(
+    pat = _POSSESSIVE_INTERVAL.sub(
         lambda m: f"(?>{m.group(1)}{m.group(2)})", resolve_pattern(pattern)
     )
+    return _WIDE_ESCAPE.sub(lambda m: f"{m.group(1)}\\x{{{int(m.group(2), 16):x}}}", pat)
 
 
 def from_onig(pattern: str) -> str:
-    """Inverse of :func:`to_onig` for the named patterns (so a saved file reloads as ``"gpt4"``)."""
+    """Inverse of :func:`to_onig` (so a saved file reloads as ``"gpt4"``, say)."""
     for pat in PATTERNS.values():
         if to_onig(pat) == pattern:
             return pat
-    return pattern
+    return _ONIG_WIDE.sub(lambda m: f"{m.group(1)}\\U{int(m.group(2), 16):08x}", pattern)
 
 
 @functools.lru_cache(maxsize=32)
@@ -101,8 +111,55 @@ def compile_pattern(pattern: str) -> regex.Pattern[str]:
         raise ValueError(f"pattern is not a valid regex: {e}") from None
 
 
-def pretokenize(text: str, pattern: str = "gpt4") -> list[str]:
-    """Split ``text`` into the pieces BPE works on independently."""
+def pretokenize(text: str, pattern: str | tuple[str, ...] = "gpt4") -> list[str]:
+    """Split ``text`` into the pieces BPE works on independently (``pattern``: a name, a regex,
+    or a tuple of regexes applied in turn, see :func:`split_sequence`)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be str, got {type(text).__name__}")
+    if isinstance(pattern, tuple):
+        return split_sequence(text, compile_sequence(pattern))
     return compile_pattern(pattern).findall(text)
+
+
+# ------------------------------------------------------------------ regex sequences
+# A pre-tokenizer may be a *sequence* of regexes (llama.cpp's, and Hugging Face's Sequence of
+# Split(behavior="Isolated")): each regex cuts every piece so far into its matches and the text
+# between them, and nothing is dropped. llama.cpp runs a regex that has no Unicode class
+# (``\p{..}``) on the text with every non-ASCII space replaced by U+000B ("wide" below), so a
+# literal range like ``\u3000-\u3002`` never takes an ideographic space; so do we.
+_WIDE_SPACES = {c: 0x0B for c in range(0x80, 0x3001) if regex.match(r"\s", chr(c)) is not None}
+
+
+@functools.lru_cache(maxsize=64)
+def compile_sequence(regexes: tuple[str, ...]) -> tuple[tuple[regex.Pattern[str], bool], ...]:
+    """Compile a regex sequence for :func:`split_sequence`: (splitter, wide) per regex."""
+    out = []
+    for r in regexes:
+        try:
+            rx = regex.compile("(" + resolve_pattern(r) + ")")
+        except regex.error as e:
+            raise ValueError(f"pattern {r!r} is not a valid regex: {e}") from None
+        if rx.groups != 1:
+            raise ValueError(f"pattern {r!r}: use non-capturing groups (?:...) in a sequence")
+        out.append((rx, "\\p{" not in r))
+    return tuple(out)
+
+
+def split_sequence(text: str, rules: tuple[tuple[regex.Pattern[str], bool], ...]) -> list[str]:
+    """Cut ``text`` by each compiled regex in turn, keeping matches and the text between them."""
+    pieces = [text]
+    for rx, wide in rules:
+        out: list[str] = []
+        for p in pieces:
+            if wide and not p.isascii():
+                q = p.translate(_WIDE_SPACES)
+                if q != p:  # match on the translated text, cut the original at the same places
+                    k = 0
+                    for s in rx.split(q):
+                        if s:
+                            out.append(p[k : k + len(s)])
+                            k += len(s)
+                    continue
+            out.extend(s for s in rx.split(p) if s)
+        pieces = out
+    return pieces
