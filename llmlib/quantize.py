@@ -77,10 +77,9 @@ class GroupCodes:
         return 1 << (self.bits - 1)
 
     def dequantize(self) -> torch.Tensor:
-        g = self.group_size
-        s = self.scale.repeat_interleave(g, dim=1)
-        z = self.zero.repeat_interleave(g, dim=1)
-        return (self.q.float() - self.offset) * s + z
+        n, k = self.q.shape
+        w = self.q.float().sub_(self.offset).view(n, k // self.group_size, self.group_size)
+        return w.mul_(self.scale[..., None]).add_(self.zero[..., None]).view(n, k)
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:

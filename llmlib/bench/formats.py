@@ -17,16 +17,14 @@ installed, llama.cpp decodes the same weights in the same run, at each format's 
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmlib.bench import _llama_cpp
+from llmlib.bench.memory import rss_anon
 
 FORMATS = {  # name -> (dtype, quantization); None: the activations pick_dtype chooses here
     "float32": ("float32", None),
@@ -88,43 +86,12 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return total - sum(b.untyped_storage().nbytes() for b in model.rope.buffers())
 
 
-_RSS = """
-import ctypes, gc, json, os, sys, torch
-import llmlib
-from llmlib.bench.formats import _rss_anon as rss, stored_bytes
-torch.set_num_threads(1)
-before = rss()
-m = llmlib.load_model(sys.argv[1], "cpu", sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3])
-gc.collect()
-try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-except OSError:
-    pass
-rope = sum(b.numel() * b.element_size() for b in m.rope.buffers())  # tables, not weights
-print(json.dumps({"rss": rss() - before - rope, "stored": stored_bytes(m)}))
-"""
-
-
-def _rss_anon() -> int | None:
-    """This process's resident anonymous memory in bytes (Linux), or None: what it allocated,
-    not the pages of a memory-mapped weights file."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def resident_bytes(path: Path, dtype: str, quantization: str | None) -> dict[str, int]:
-    """What loading the format adds to a fresh process's resident memory, and what it stores."""
-    out = subprocess.run(
-        [sys.executable, "-c", _RSS, str(path), dtype, quantization or "-"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """What loading the format adds to a fresh process's resident memory (after, and at its peak
+    on the way: :func:`llmlib.bench.memory.load_memory`), and what it stores."""
+    from llmlib.bench.memory import load_memory
+
+    return load_memory(path, dtype, quantization)
 
 
 def run(
@@ -153,10 +120,10 @@ def run(
         dtype, q = format_of(name)
         model = llmlib.load_model(path, "cpu", dtype, q)
         gens[label] = g = Generator(model, tok, compile=comp)
-        before = _rss_anon()
+        before = rss_anon()
         warm = g.warmup()
         # what compiling added to this process: workspace, and the constants a frozen graph owns
-        grown = None if before is None or not comp else _rss_anon() - before
+        grown = None if before is None or not comp else rss_anon() - before
         rows[label] = {
             "name": label,
             "dtype": dtype,
@@ -231,7 +198,9 @@ def run(
                 continue
             m = resident_bytes(path, r["dtype"], r["quantization"])
             r["resident_bytes"], r["stored_bytes"] = m["rss"], m["stored"]
+            r["load_peak_bytes"] = m["peak"]
             r["resident_vs_stored"] = round(m["rss"] / m["stored"], 3)
+            r["load_peak_vs_resident"] = round(m["peak"] / max(m["rss"], 1), 3)
     return {
         "machine": machine_info("cpu"),
         "model": path.name,
@@ -279,6 +248,7 @@ def print_table(res: dict[str, Any]) -> None:
         ("bandwidth_share", "of BW", "{:6.0%}"),
         ("resident_bytes", "RSS MB", "{:7.1f}"),
         ("resident_vs_stored", "/stored", "{:8.2f}"),
+        ("load_peak_vs_resident", "peak/res", "{:8.2f}"),
         ("perplexity", "ppl", "{:7.3f}"),
         ("kl_vs_float32", "KL", "{:8.5f}"),
         ("greedy_agreement", "agree", "{:6.1%}"),

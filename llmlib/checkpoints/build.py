@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from llmlib.checkpoints.lazy import materialize, read_checkpoint_lazy
+from llmlib.checkpoints.lazy import LazyTensor, materialize, read_checkpoint_lazy
 from llmlib.config import ModelConfig
 from llmlib.device import choose
 from llmlib.dtypes import QUANTIZATIONS
-from llmlib.kernels.prepare import Format, prepare, weight_matrices
+from llmlib.kernels.prepare import Format, Rows, prepare, weight_matrices
 from llmlib.model import Transformer
 from llmlib.shapes import param_shapes
 
@@ -143,7 +143,7 @@ def build_model(
     name_of: Callable[[str], str] = str,
     quantization: str | None = None,
     group_size: int = 32,
-    blocks: dict[str, Callable[[], tuple[str, torch.Tensor]]] | None = None,
+    blocks: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> Transformer:
     """Check ``state`` (llmlib names; tensors, or lazy ones read when needed) against ``cfg`` and
@@ -178,11 +178,18 @@ def build_model(
     def source(name: str) -> Any:
         keys = _parts(name)
         if blocks is not None and all(k in blocks for k in keys):
-            from llmlib.checkpoints.repack import model_codes
+            from llmlib.checkpoints.repack import block_codes, model_codes
 
+            if len(keys) == 1 and blocks[keys[0]].heads is None:  # read a slice at a time
+                b = blocks[keys[0]]
+                shape = tuple(state[keys[0]].shape)
+                return Rows(shape, lambda i, j: block_codes(b.kind, b.rows(i, j), keys[0]))
             codes = model_codes([name], {k: blocks[k]() for k in keys})
             if name in codes:
                 return codes[name]
+        if len(keys) == 1 and isinstance(state[keys[0]], LazyTensor):
+            lazy = state[keys[0]]
+            return Rows(tuple(lazy.shape), lambda i, j: lazy[i:j].load())
         mats = [materialize(state[k]) for k in keys]
         return mats[0] if len(mats) == 1 else torch.cat(mats)
 

@@ -285,31 +285,50 @@ def read_checkpoint_lazy(
     )
 
 
-def lazy_gguf_blocks(
-    path: str | Path, cfg: ModelConfig
-) -> dict[str, Callable[[], tuple[str, torch.Tensor]]]:
-    """``{llmlib name: reader}`` for every block-quantized matrix of a GGUF file: each reader
-    returns ``(type name, uint8 [rows, bytes per row])``, the rows in llmlib's order (a query or
-    key matrix's heads un-permuted, row by row: its blocks are whole rows). Nothing is read
-    until a reader is called (:func:`llmlib.checkpoints.build.build_model` calls each once)."""
-    from llmlib.checkpoints.gguf import PERMUTED_QK, llmlib_name, open_gguf, unpermute_qk
+class GGUFBlocks:
+    """One block-quantized matrix of a GGUF file, not yet read: ``kind`` (its type name) and,
+    called, ``(kind, uint8 [rows, bytes per row])`` with the rows in llmlib's order (a query or
+    key matrix's heads un-permuted: its blocks are whole rows). ``rows(i, j)`` reads rows
+    ``i .. j-1`` alone, straight from the memory map (a matrix whose rows need no permuting)."""
+
+    def __init__(self, reader: Any, info: Any, heads: int | None) -> None:
+        from llmlib.checkpoints.quant import block_format
+
+        self.reader, self.info, self.heads = reader, info, heads
+        self.kind = block_format(info.ggml_type, info.name).name
+        self.n_rows = info.shape[0]
+
+    def _raw(self) -> np.ndarray:
+        try:
+            raw = np.asarray(self.reader.raw(self.info.name), dtype=np.uint8)
+            return raw.reshape(self.n_rows, -1)
+        except (TypeError, ValueError, OSError) as e:  # a memory map cut short
+            raise ValueError(
+                f"{self.info.name}: cannot read its data ({e}); the file is truncated or corrupt"
+            ) from e
+
+    def rows(self, i: int, j: int) -> torch.Tensor:
+        if self.heads is not None:
+            raise ValueError(f"{self.info.name}: permuted rows are read whole")
+        return torch.from_numpy(self._raw()[i:j].copy())
+
+    def __call__(self) -> tuple[str, torch.Tensor]:
+        from llmlib.checkpoints.gguf import unpermute_qk
+
+        rows = torch.from_numpy(self._raw().copy())
+        return self.kind, (rows if self.heads is None else unpermute_qk(rows, self.heads))
+
+
+def lazy_gguf_blocks(path: str | Path, cfg: ModelConfig) -> dict[str, GGUFBlocks]:
+    """``{llmlib name: its blocks}`` for every block-quantized matrix of a GGUF file
+    (:class:`GGUFBlocks`); nothing is read until asked
+    (:func:`llmlib.checkpoints.build.build_model` reads each matrix once)."""
+    from llmlib.checkpoints.gguf import PERMUTED_QK, llmlib_name, open_gguf
     from llmlib.checkpoints.quant import block_format
 
     reader = open_gguf(Path(path))
     permuted = reader.architecture in PERMUTED_QK
-
-    def read(info: Any, heads: int | None) -> tuple[str, torch.Tensor]:
-        fmt = block_format(info.ggml_type, info.name)
-        try:
-            raw = np.asarray(reader.raw(info.name), dtype=np.uint8).reshape(info.shape[0], -1)
-        except (TypeError, ValueError, OSError) as e:  # a memory map cut short
-            raise ValueError(
-                f"{info.name}: cannot read its data ({e}); the file is truncated or corrupt"
-            ) from e
-        rows = torch.from_numpy(raw.copy())
-        return fmt.name, (rows if heads is None else unpermute_qk(rows, heads)).contiguous()
-
-    out: dict[str, Callable[[], tuple[str, torch.Tensor]]] = {}
+    out: dict[str, GGUFBlocks] = {}
     for t in reader.tensors.values():
         ours = llmlib_name(t.name)
         if ours is None or len(t.shape) != 2 or block_format(t.ggml_type, t.name).block_size == 1:
@@ -319,5 +338,5 @@ def lazy_gguf_blocks(
             heads = cfg.n_heads
         elif permuted and ours.endswith("attn.wk.weight"):
             heads = cfg.n_kv_heads
-        out[ours] = functools.partial(read, t, heads)
+        out[ours] = GGUFBlocks(reader, t, heads)
     return out
