@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -294,3 +295,41 @@ def test_built_wheel_works_outside_the_source_tree(tmp_path: Path) -> None:
         [str(py), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_the_map_names_every_module() -> None:
+    """llmlib/README.md, the package map: every module of the package in one row (by its path,
+    ``kernels/prepare``, or in its package's row, ``tokenizer/`` ... ``merge``), and no row for a
+    module that is not there."""
+    text = (PKG / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    named: set[str] = set()
+    first: set[str] = set()  # what the rows' first cells name
+    for row in rows:
+        cell = row.split("|")[1]
+        spans = re.findall(r"`([^`]+)`", cell)
+        for span in spans:
+            named.add(span.strip("/"))
+            first.add(span.strip("/"))
+        package = next((s.strip("/") for s in spans if s.endswith("/")), None)
+        if package is not None:  # the package's modules, named in the row's description
+            for span in re.findall(r"`([a-z_]+)`", row.split("|")[2]):
+                named.add(f"{package}/{span}")
+    missing = []
+    for p in sorted(PKG.rglob("*.py")):
+        mod = p.relative_to(PKG).with_suffix("").as_posix()
+        if mod.endswith("__init__"):  # a package's index: the package has rows of its own
+            package = mod.removesuffix("__init__").strip("/")
+            if package and not any(n == package or n.startswith(package + "/") for n in named):
+                missing.append(package)
+            continue
+        if mod not in named:
+            missing.append(mod)
+    assert missing == []
+    stale = sorted(
+        n
+        for n in first
+        if "/" in n or n in {p.stem for p in PKG.glob("*.py")}
+        if not (PKG / f"{n}.py").exists() and not (PKG / n).is_dir()
+    )
+    assert stale == []
