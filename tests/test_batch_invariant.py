@@ -129,10 +129,16 @@ def test_tensor_parallel_is_refused():
 
 
 @pytest.mark.parametrize(
-    "flag, key", [("--batch-invariant", "batch_invariant"), ("--compile", "compile")]
+    "flag, key",
+    [
+        ("--batch-invariant", "batch_invariant"),
+        ("--compile", "compile"),
+        ("--speculative=ngram:4", "speculative_config"),
+    ],
 )
 def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
-    """``llmlib serve --batch-invariant`` / ``--compile`` reach the engine's keyword (only when given)."""
+    """``llmlib serve --batch-invariant`` / ``--compile`` / ``--speculative`` reach the engine's
+    keyword (only when given)."""
     import llmlib.serve.launch as launch
 
     seen: dict = {}
@@ -146,6 +152,12 @@ def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
 
     monkeypatch.setattr(launch, "build_engine", fake_build)
     for argv, want in (([flag], True), ([], False)):
+        seen.clear()
         with pytest.raises(Stop):
             launch.main(argv)
-        assert seen[key] is want
+        if key == "speculative_config":
+            assert (seen.get(key) is not None) is want
+            if want:
+                assert seen[key].method == "ngram" and seen[key].num_speculative_tokens == 4
+        else:
+            assert seen[key] is want

@@ -105,11 +105,43 @@ def test_engine_ngram_sampling_runs_and_refuses_other_methods(model):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
     assert llm.block_manager.num_free_blocks == 160
-    with pytest.raises(ValueError, match="ngram"):
-        _engine(model, SpeculativeConfig("early_exit", 2, exit_layer=1))
+    with pytest.raises(ValueError, match="exit_layer must be in 1..2"):
+        _engine(model, SpeculativeConfig("early_exit", 2, exit_layer=5))
+    with pytest.raises(ValueError, match="vocabulary"):
+        _engine(model, SpeculativeConfig("draft", 2, draft_model=tiny(vocab=32, layers=1)))
 
 
-def test_engine_ngram_sampling_keeps_the_distribution():
+def _draft_spec(model, method: str, k: int = 3) -> SpeculativeConfig:
+    if method == "early_exit":
+        return SpeculativeConfig("early_exit", k, exit_layer=1)
+    from test_speculative import near_copy
+
+    return SpeculativeConfig("draft", k, draft_model=near_copy(model, 0.02))
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft"])
+def test_engine_model_drafts_greedy_equal_the_generator(model, method):
+    """The model's first layer, or a second model, drafts in the engine: every sequence's tokens
+    are plain greedy decoding's, drafts were kept and refused, every block comes back."""
+    prompts, max_tokens = _workload()
+    gen = Generator(model, Tok())
+    want = [
+        gen.generate(p, max_new_tokens=n, ignore_eos=True).token_ids
+        for p, n in zip(prompts, max_tokens)
+    ]
+    llm = _engine(model, _draft_spec(model, method))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{len(bad)} requests differ, first {bad[0]}"
+    st = llm.stats()
+    assert 0 < st.spec_accepted < st.spec_proposed
+    assert llm.block_manager.num_free_blocks == 160
+    llm.block_manager.check_consistency([])
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_engine_sampling_keeps_the_distribution(method):
     """Many seeded requests of three tokens on a 6-token vocabulary, batched: tokens 2 and 3
     come out of one verification, and their joint frequencies fit plain sampling's exact
     distribution (chi-square at about 1e-4)."""
@@ -120,7 +152,8 @@ def test_engine_ngram_sampling_keeps_the_distribution():
     prompt = [0, 1, 2, 0, 1, 2, 0, 1]
     params = SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True)
     exact = _exact_pair_distribution(target, prompt, params)
-    llm = _engine(target, SpeculativeConfig("ngram", 2), num_blocks=400, max_num_seqs=128)
+    spec = SpeculativeConfig("ngram", 2) if method == "ngram" else _draft_spec(target, method, 2)
+    llm = _engine(target, spec, num_blocks=400, max_num_seqs=128)
     reqs = [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(2000)]
     outs = llm.generate([prompt] * len(reqs), reqs, use_tqdm=False)
     counts = torch.zeros(V * V)

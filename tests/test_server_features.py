@@ -372,3 +372,38 @@ def test_body_size_is_bounded(server):
     )
     assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_speculating_server_reports_its_acceptance(model, tokenizer):
+    """``llmlib serve --speculative``: the engine drafts, and /metrics says how many drafts were
+    proposed and kept."""
+    from llmlib.engine import AsyncLLM
+    from llmlib.speculative import SpeculativeConfig
+
+    eng = AsyncLLM(
+        model,
+        tokenizer,
+        max_queue=8,
+        num_blocks=64,
+        block_size=16,
+        speculative_config=SpeculativeConfig("early_exit", 2, exit_layer=1),
+    )
+    with ServerThread(create_app(eng.start(), MODEL_ID)) as srv:
+        try:
+            body = {
+                "model": MODEL_ID,
+                "prompt": "one two three one two three one two three one two",
+                "max_tokens": 24,
+                "temperature": 0,
+            }
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            text = httpx.get(srv.url + "/metrics").text
+        finally:
+            eng.shutdown()
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"llmlib:{name}_total"))
+        return float(line.split()[-1])
+
+    proposed = value("spec_decode_num_draft_tokens")
+    assert proposed > 0 and 0 <= value("spec_decode_num_accepted_tokens") <= proposed

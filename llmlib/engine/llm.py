@@ -83,7 +83,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
-        speculative_config: Any = None,  # a SpeculativeConfig: prompt lookup (llmlib.engine.speculate)
+        speculative_config: Any = None,  # a SpeculativeConfig (llmlib.engine.speculate)
         batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
         compile: bool = False,  # torch.compile the CPU decode steps (llmlib.runtime.compile)
     ) -> None:
@@ -151,7 +151,9 @@ class LLM:
                 if compile:  # now, before any request waits for it
                     self.compile_s = self.runner.compile_now(min(32, max_num_seqs))
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
-            self._spec = engine_speculator(speculative_config, self._tp is not None)
+            self._spec = engine_speculator(
+                speculative_config, self._tp is not None, self.model, self.runner.cache
+            )
             self._requests: dict[str, EngineRequest] = {}
             self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
             self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
@@ -301,6 +303,8 @@ class LLM:
             if c.samples:
                 for s in (c.seq, *c.seq.forks):
                     gens[s.seq_id] = self._by_seq[s.seq_id][1].generator
+        if self._spec is not None:
+            self._spec.fill(chunks, gens)  # a model's drafts, in the slots just given
         res = self.runner.execute(chunks, gens)
         for sid, entries in res.prompt_logprobs.items():
             req = self._by_seq[sid][0]
@@ -320,6 +324,8 @@ class LLM:
                 del self._requests[req.request_id]
                 for c in req.choices:
                     self._by_seq.pop(c.seq.seq_id, None)
+                if self._spec is not None:
+                    self._spec.forget(c.seq.seq_id for c in req.choices)
         self._stats.steps += 1
         return outs
 

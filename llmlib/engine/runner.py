@@ -200,9 +200,10 @@ class ModelRunner:
             params = c.seq.params
             if params.greedy:
                 a, nxt = accept_greedy(c.draft, rows)
-            else:  # prompt lookup proposes deterministically: a one-hot draft distribution
+            else:  # against the proposer's distribution (None: prompt lookup's one-hot draft)
                 probs = distributions(rows, params)
-                a, nxt = accept_sampled(c.draft, None, probs, generators.get(c.seq.seq_id))
+                gen = generators.get(c.seq.seq_id)
+                a, nxt = accept_sampled(c.draft, c.draft_probs, probs, gen)
             res.accepted[c.seq.seq_id] = c.draft[:a]
             res.tokens[c.seq.seq_id] = nxt
 

@@ -103,6 +103,7 @@ class ScheduledChunk:
     start: int
     length: int
     draft: list[int] = field(default_factory=list)  # proposed tokens scored after the chunk
+    draft_probs: Any = None  # [k, V]: the draft model's distributions (None: one-hot drafts)
 
     @property
     def samples(self) -> bool:

@@ -1,67 +1,202 @@
-"""Speculative decoding in the batching engine: prompt lookup proposes, the step verifies.
+"""Speculative decoding in the batching engine: a cheap proposer drafts, the step verifies.
 
-Before each step, every running sequence that is decoding gets up to k proposed tokens from
-prompt lookup (:func:`llmlib.speculative.proposers.lookup`, no model needed). The scheduler
-gives it slots for them (:meth:`~llmlib.engine.block_manager.BlockManager.append_slots` with a
-lookahead), the runner scores the pending token and the proposals in the same forward pass as
+Before each step, every running sequence that is decoding is given up to k draft tokens. The
+scheduler gives it slots for them (:meth:`~llmlib.engine.block_manager.BlockManager.append_slots`
+with a lookahead), the runner scores the pending token and the drafts in the same forward pass as
 the other sequences' work and keeps the ones the model agrees with
-(:meth:`~llmlib.engine.runner.ModelRunner._verify`), and the scheduler returns the blocks that
-only refused proposals held (:meth:`~llmlib.engine.block_manager.BlockManager.trim`).
+(:meth:`~llmlib.engine.runner.ModelRunner._verify`), and the scheduler returns the blocks that only
+refused drafts held (:meth:`~llmlib.engine.block_manager.BlockManager.trim`).
 
+Three proposers, as in :mod:`llmlib.speculative`:
+
+* ``ngram``: prompt lookup (:func:`llmlib.speculative.proposers.lookup`), no model, before the
+  step is scheduled;
+* ``early_exit``: the model's own first layers, final norm and LM head. After scheduling, all the
+  drafting sequences decode k tokens together, one batched pass of the first layers per token,
+  over the target's own pool: for tokens already verified, the keys and values of those layers are
+  exactly the draft's; what it writes for its drafts, the verification pass overwrites;
+* ``draft``: a smaller model with the same vocabulary, with a pool of its own indexed by the same
+  block tables (the block manager hands out both at once). Each sequence's pool catches up on the
+  tokens it has not seen (the prompt, the tokens verified since) before it drafts.
+
+A model's drafts under sampling are drawn from its own distribution with the request's params,
+and verification is rejection sampling against it, so the output keeps the model's distribution.
 Sequences whose next token depends on more than the model's distribution decode plainly:
-penalties and logit bias (they depend on every earlier token), log-probabilities, structured
-output, and ``min_tokens`` not yet reached.
+penalties and logit bias, log-probabilities, structured output, ``min_tokens`` not yet reached.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from typing import Any
 
-from llmlib.engine.sequence import Sequence
+import torch
+
+from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+from llmlib.engine.sequence import ScheduledChunk, Sequence
+from llmlib.sampling import draw
 from llmlib.speculative.config import SpeculativeConfig
 from llmlib.speculative.proposers import lookup
+from llmlib.speculative.verify import distributions
+
+
+def _plain(seq: Sequence) -> bool:
+    """Whether ``seq`` decodes without speculation this step."""
+    p = seq.params
+    return (
+        seq.num_computed_tokens != seq.num_tokens - 1
+        or seq.num_output_tokens == 0
+        or bool(seq.forks)
+        or seq.matcher is not None
+        or p.penalized
+        or p.logprobs is not None
+        or seq.num_output_tokens < p.min_tokens
+    )
 
 
 class EngineSpeculator:
-    """Prompt-lookup proposals for the running sequences of a batching engine."""
+    """Proposals for the running sequences of a batching engine."""
 
-    def __init__(self, spec: SpeculativeConfig) -> None:
-        if spec.method != "ngram":
-            raise ValueError(
-                f"LLM speculates with method='ngram' only for now, got {spec.method!r} "
-                f"(llmlib.Generator runs early_exit and draft)"
-            )
+    def __init__(self, spec: SpeculativeConfig, model: Any = None, cache: Any = None) -> None:
         self.spec = spec
+        self.draft: _PagedDraft | None = None
+        if spec.method == "early_exit":
+            n = model.config.n_layers
+            if not 1 <= spec.exit_layer <= n:
+                raise ValueError(f"early_exit: exit_layer must be in 1..{n}, got {spec.exit_layer}")
+            self.draft = _PagedDraft(model, cache, n_layers=spec.exit_layer)
+        elif spec.method == "draft":
+            self.draft = _PagedDraft.of_model(spec.draft_model, model, cache)
 
     def propose(self, running: Iterable[Sequence], max_model_len: int) -> None:
-        """Set ``draft_tokens`` on every running sequence (empty where it decodes plainly)."""
+        """Set ``draft_tokens`` on every running sequence (empty where it decodes plainly): prompt
+        lookup's proposals, or, for a model's drafts, as many placeholders as it may draft (the
+        scheduler reserves their slots; :meth:`draft` fills them in)."""
         s = self.spec
         for seq in running:
             seq.draft_tokens = []
-            p = seq.params
-            if (
-                seq.num_computed_tokens != seq.num_tokens - 1
-                or seq.num_output_tokens == 0
-                or seq.forks
-                or seq.matcher is not None
-                or p is None
-                or p.penalized
-                or p.logprobs is not None
-                or seq.num_output_tokens < p.min_tokens
-            ):
+            if _plain(seq):
                 continue
             k = min(
                 s.num_speculative_tokens,
                 seq.max_tokens - seq.num_output_tokens - 1,
                 max_model_len - seq.num_tokens - 1,
             )
-            if k > 0:
+            if k <= 0:
+                continue
+            if self.draft is None:
                 seq.draft_tokens = lookup(
                     seq.token_ids, k, s.prompt_lookup_min, s.prompt_lookup_max
                 )
+            else:
+                seq.draft_tokens = [0] * k
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Finished sequences: a draft model's pool no longer keeps track of them."""
+        if self.draft is not None:
+            self.draft.forget(seq_ids)
+
+    def fill(self, chunks: Seq[ScheduledChunk], generators: dict[int, Any]) -> None:
+        """After scheduling: a model drafts the tokens of every chunk that was given slots."""
+        if self.draft is not None:
+            todo = [c for c in chunks if c.draft]
+            if todo:
+                self.draft.run(todo, generators)
 
 
-def engine_speculator(spec: SpeculativeConfig | None, sharded: bool) -> EngineSpeculator | None:
+class _PagedDraft:
+    """A model (the target's first layers, or a draft model) decoding k tokens for a batch of
+    sequences over a paged pool, each step one batched forward pass."""
+
+    def __init__(
+        self, model: Any, cache: PagedKVCache, n_layers: int | None = None, own: bool = False
+    ) -> None:
+        self.model, self.cache, self.n_layers, self.own = model, cache, n_layers, own
+        self.device = cache.device
+        self._held: dict[int, list[int]] = {}  # own pool: the tokens it holds, per sequence
+
+    @classmethod
+    def of_model(cls, draft: Any, target: Any, target_cache: PagedKVCache) -> _PagedDraft:
+        if not isinstance(draft, torch.nn.Module):
+            from llmlib.checkpoints import load_model
+
+            draft = load_model(draft, device=target.device, dtype=target.dtype)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
+                f"target's ({target.config.vocab_size}): their token ids would not mean the same"
+            )
+        c = draft.config
+        pool = PagedKVCache(
+            c.n_layers,
+            target_cache.num_blocks,
+            c.n_kv_heads,
+            target_cache.block_size,
+            c.head_dim,
+            device=target_cache.device,
+            dtype=draft.dtype,
+        )
+        return cls(draft, pool, own=True)
+
+    def _pass(self, chunks: list[SeqChunk], ids: list[int], last: list[int]) -> torch.Tensor:
+        """One forward pass over ``chunks`` packed in a row: logits at the rows ``last``."""
+        step = self.cache.step([chunks])
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        h = self.model.hidden(ids_t, step.positions, step, n_layers=self.n_layers)
+        sel = torch.tensor(last, dtype=torch.long, device=self.device)
+        return self.model.logits(h[0].index_select(0, sel))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], generators: dict[int, Any]) -> None:
+        if self.own:
+            self._catch_up(chunks)
+        ks = [len(c.draft) for c in chunks]
+        tokens: list[list[int]] = [[] for _ in chunks]
+        probs: list[list[torch.Tensor]] = [[] for _ in chunks]
+        for j in range(max(ks)):
+            live = [i for i, k in enumerate(ks) if k > j]
+            fed = [chunks[i].seq.token_ids[-1] if j == 0 else tokens[i][-1] for i in live]
+            pieces = [SeqChunk(chunks[i].seq.block_table, chunks[i].start + j, 1) for i in live]
+            logits = self._pass(pieces, fed, list(range(len(live)))).float()
+            for row, i in enumerate(live):
+                seq = chunks[i].seq
+                if seq.params.greedy:
+                    tokens[i].append(int(logits[row].argmax()))
+                    continue
+                q = distributions(logits[row : row + 1], seq.params)
+                tokens[i].append(int(draw(q, [generators.get(seq.seq_id)])[0]))
+                probs[i].append(q[0])
+        for c, t, q in zip(chunks, tokens, probs):
+            c.draft = t
+            c.draft_probs = torch.stack(q) if q else None
+            if self.own:  # fed: every token up to the pending one, then all drafts but the last
+                self._held[c.seq.seq_id] = c.seq.token_ids + t[:-1]
+
+    def _catch_up(self, chunks: list[ScheduledChunk]) -> None:
+        """Feed each sequence's draft pool the tokens it has not seen, up to the pending one."""
+        pieces, ids = [], []
+        for c in chunks:
+            seq = c.seq
+            held = self._held.get(seq.seq_id, [])
+            n = 0
+            limit = min(len(held), c.start)
+            while n < limit and held[n] == seq.token_ids[n]:
+                n += 1
+            if n < c.start:
+                pieces.append(SeqChunk(seq.block_table, n, c.start - n))
+                ids += seq.token_ids[n : c.start]
+        if pieces:
+            self._pass(pieces, ids, [len(ids) - 1])
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        for s in seq_ids:
+            self._held.pop(s, None)
+
+
+def engine_speculator(
+    spec: SpeculativeConfig | None, sharded: bool, model: Any = None, cache: Any = None
+) -> EngineSpeculator | None:
     if spec is None:
         return None
     if not isinstance(spec, SpeculativeConfig):
@@ -70,4 +205,4 @@ def engine_speculator(spec: SpeculativeConfig | None, sharded: bool) -> EngineSp
         )
     if sharded:
         raise ValueError("LLM: speculative decoding with tensor_parallel_size > 1 is not supported")
-    return EngineSpeculator(spec)
+    return EngineSpeculator(spec, model, cache)

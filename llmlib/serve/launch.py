@@ -171,8 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="torch.compile the CPU engine's decode steps before serving (takes minutes, once)",
     )
+    from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
+
+    ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    try:
+        spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
+    except ValueError as e:
+        ap.error(str(e))
     if args.tensor_parallel_size > 1:
         from llmlib.parallel.group import DistEnv
 
@@ -210,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         compile=args.compile,
+        **({"speculative_config": spec} if spec is not None else {}),
     )
     name = args.served_model_name or name
     if engine.llm.compile_s is not None:

@@ -71,6 +71,17 @@ class _EngineCollector:
             "Prompt tokens found in the prefix cache.",
             bm.num_prefix_hit_blocks * bs,
         )
+        # speculative decoding (vLLM's names): acceptance = accepted / draft tokens
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Tokens proposed by speculative decoding and verified.",
+            sched.stats.spec_proposed,
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Proposed tokens the model kept.",
+            sched.stats.spec_accepted,
+        )
 
 
 class ServerMetrics:
