@@ -16,6 +16,7 @@ step, and new prompts join as soon as there is room (continuous batching, {cite}
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,7 @@ class LLM:
         compile: bool = False,  # torch.compile the CPU decode steps (llmlib.runtime.compile)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
-        #: seconds the first compiled decode step took (compile=True), else None
-        self.compile_s: float | None = None
+        self.compile_s: float | None = None  # seconds compiling the decode step took (compile)
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
@@ -128,12 +128,10 @@ class LLM:
                 max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
             self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
             self.scheduler = Scheduler(
-                self.block_manager,
-                max_num_seqs=max_num_seqs,
+                self.block_manager, max_num_seqs=max_num_seqs, max_model_len=max_len,
                 max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_len,
                 enable_chunked_prefill=enable_chunked_prefill,
-            )
+            )  # fmt: skip
             self.max_model_len = self.scheduler.max_model_len
             if self._tp is not None:
                 self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
@@ -393,10 +391,9 @@ class LLM:
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the counters (prefill tokens, prefix-cache hits, preemptions, blocks)."""
-        s, bm = self.scheduler.stats, self.block_manager
-        st = self._stats
-        return EngineStats(
-            steps=st.steps,
+        s, bm, st = self.scheduler.stats, self.block_manager, self._stats
+        return replace(
+            st,
             forward_passes=self.runner.forward_passes,
             prefill_tokens=s.prefill_tokens,
             decode_tokens=s.decode_tokens,
@@ -406,9 +403,6 @@ class LLM:
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,
             used_blocks=bm.num_used_blocks,
-            peak_used_blocks=st.peak_used_blocks,
-            slots_allocated=st.slots_allocated,
-            slots_used=st.slots_used,
             spec_proposed=s.spec_proposed,
             spec_accepted=s.spec_accepted,
         )
