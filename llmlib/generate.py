@@ -130,14 +130,16 @@ class Generator:
         # positions 0..max_len-1 once; each step takes a view instead of building a tensor
         self._positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         self.last_result: GenerationResult | None = None
-        # The decode step: eager (the reference the book reads), or torch.compile'd (inductor
-        # fuses each layer's small operators into a few C++/Triton kernels; on the CPU, with
-        # bfloat16 or quantized weights, frozen and autotuned: llmlib.runtime.compile). Compiled lazily,
-        # once per Generator, on the first request; inductor's on-disk cache makes the next
-        # process's compile a cache hit. ``compile_s`` is what the first compiled call cost.
+        # The decode step: eager (the reference the book reads), or compiled (inductor fuses each
+        # layer's small operators into a few C++/Triton kernels). A model loaded from a file, on a
+        # CPU, compiles ahead of time once per machine and loads the compiled step from disk on
+        # every later start (llmlib.runtime.aot); otherwise torch.compile compiles it in memory,
+        # lazily, on the first request (llmlib.runtime.compile). ``compile_s`` is what compiling
+        # cost this process; ``decode_path`` says which step runs.
         self.compile = bool(compile)
         self._step = decode_step
         self.compile_s: float | None = None
+        self.decode_path = "eager"
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
                 f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
@@ -145,8 +147,21 @@ class Generator:
         if speculative is not None and self.compile:
             raise ValueError("speculative decoding runs eagerly: pass compile=False")
         if self.compile:  # after the checks: compile_decode may re-store the model's matrices
-            self._step = compile_decode(decode_step, model)
+            self._step, self.decode_path = self._compiled_step(model)
         self.speculator = Speculator(speculative, model) if speculative is not None else None
+
+    def _compiled_step(self, model: torch.nn.Module) -> tuple[Any, str]:
+        from llmlib.runtime import aot
+        from llmlib.runtime.compile import compile_options
+
+        if self.device.type == "cpu" and compile_options(model) is None:
+            t0 = time.perf_counter()
+            step, cached = aot.load_decode_step(model, log=aot.print_progress)
+            if step is not None:
+                if not cached:
+                    self.compile_s = time.perf_counter() - t0
+                return step, "compiled (from the cache)" if cached else "compiled (now, cached)"
+        return compile_decode(decode_step, model), "compiled (in memory)"
 
     @property
     def weight_format(self) -> str:
@@ -158,7 +173,7 @@ class Generator:
         t0 = time.perf_counter()
         self.generate([1, 2], max_new_tokens=3, ignore_eos=True)
         dt = time.perf_counter() - t0
-        if self.compile and self.compile_s is None:
+        if self.decode_path == "compiled (in memory)" and self.compile_s is None:
             self.compile_s = dt
         return dt
 

@@ -83,6 +83,10 @@ def stored_bytes(model: torch.nn.Module) -> int:
         if t.device.type != "meta" and key not in seen:
             seen.add(key)
             total += key[1]
+    for m in model.modules():  # float32's oneDNN copies, held beside the module's buffers
+        blocked = getattr(m, "blocked", None)
+        if isinstance(blocked, torch.Tensor):
+            total += blocked.numel() * blocked.element_size()
     return total - sum(b.untyped_storage().nbytes() for b in model.rope.buffers())
 
 

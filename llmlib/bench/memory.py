@@ -57,9 +57,8 @@ from llmlib.bench.memory import PeakSampler, rss_anon
 torch.set_num_threads(int(sys.argv[4]))
 # what any load imports and builds first (modules, the C++ kernels): not the model's memory
 import llmlib.checkpoints.build
-from llmlib.kernels import integer, matvec, norm, paged_attention
-for kernel in (integer, matvec, norm, paged_attention):
-    kernel.available()
+from llmlib.runtime.aot import load_kernels
+load_kernels()
 gc.collect()
 before = rss_anon()
 with PeakSampler() as p:

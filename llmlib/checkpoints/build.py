@@ -114,7 +114,7 @@ def load_model(
     if progress is None:
         progress = _size(path) > 1 << 30
     try:
-        return build_model(
+        model = build_model(
             cfg,
             state,
             device,
@@ -127,6 +127,8 @@ def load_model(
         )
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
+    model.source_path = path  # what a compiled step on disk is found by (llmlib.runtime.aot)
+    return model
 
 
 def _size(path: Path) -> int:

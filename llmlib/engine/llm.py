@@ -16,8 +16,8 @@ step, and new prompts join as soon as there is room (continuous batching, {cite}
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

@@ -263,11 +263,11 @@ class Float32Weight(PackedWeight):
         super().__init__(tuple(w.shape))
         self.register_buffer("w", w.detach())
         self.one_row = one_row
-        self.register_buffer(
-            "blocked",
+        # not a registered buffer: an opaque oneDNN tensor has no storage to save, copy or trace
+        self.blocked = (
             torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
             if blocked
-            else None,
+            else None
         )
 
     @property

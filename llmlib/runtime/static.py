@@ -72,6 +72,21 @@ class StaticKVCache:
         # block i of the kernel's pool: sequence i // kv_heads, KV head i % kv_heads
         self._table = torch.arange(max_batch * cfg.n_kv_heads, device=device).view(-1, 1)
 
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> StaticKVCache:
+        """A cache made of the given per-layer key and value tensors (a compiled step's inputs:
+        :mod:`llmlib.runtime.aot`)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        cache.max_batch, _, cache.max_len, _ = k[0].shape
+        cache.device = k[0].device
+        cache._slots = torch.arange(cache.max_len, device=cache.device)
+        cache.kernel = serves_pool(k[0])
+        cache._table = torch.arange(cache.max_batch * k[0].shape[1], device=cache.device).view(
+            -1, 1
+        )
+        return cache
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

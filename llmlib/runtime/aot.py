@@ -1,0 +1,214 @@
+"""Compiled decode steps kept on disk: compile once per machine, load in a fraction of a second.
+
+``torch.compile`` compiles in the process that runs: every start pays for tracing the step (and,
+on a cold cache, for inductor's code generation), which on a small CPU is a minute or more.
+AOTInductor compiles ahead of time instead: ``torch.export`` traces the step once into a graph,
+inductor turns the graph into a shared library, and :func:`torch._inductor.aoti_load_package`
+loads that library in any later process. Here the package holds code only: the weights stay the
+model's own tensors, handed to the loaded step by name (``load_constants(..., user_managed=True)``),
+so loading a compiled step adds no copy of the model.
+
+A package is found again by its key (:func:`step_key`): the model file's SHA-256 (computed once
+per file and remembered beside the cache), how the weights are stored here
+(``model.weight_format``), the step's kind, torch's and llmlib's versions, and the CPU's choices
+(:class:`llmlib.kernels.flags.Flags`: the kernels a graph calls are part of its code). A model
+that was built rather than loaded from a file has no key: it compiles in memory
+(:func:`llmlib.runtime.compile.compile_decode`).
+
+The one-request decode step (:func:`load_decode_step`) takes the token ids, their positions and
+the static cache's key and value tensors (:class:`llmlib.runtime.static.StaticKVCache`), whose
+length is a symbolic size of the graph, so one package serves every cache size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: bumped when what a package holds changes meaning
+VERSION = 1
+
+
+def cache_dir() -> Path:
+    from llmlib.kernels.flags import flags
+
+    return flags().cache / "compiled"
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a model file (or of a folder's safetensors), remembered by path, size and
+    modification time, so a multi-gigabyte file is read for it once."""
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    memo = cache_dir() / "digests.json"
+    known: dict[str, Any] = {}
+    if memo.exists():
+        try:
+            known = json.loads(memo.read_text())
+        except (OSError, ValueError):
+            known = {}
+    key = json.dumps(stamp)
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    known[key] = digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known))
+    tmp.replace(memo)
+    return digest
+
+
+def step_key(model: nn.Module, kind: str) -> str | None:
+    """The name of ``model``'s compiled ``kind`` step on disk; None for a model not loaded from a
+    file (nothing to find it by in a later process)."""
+    import llmlib
+    from llmlib.kernels.flags import flags
+
+    source = getattr(model, "source_path", None)
+    if source is None:
+        return None
+    f = flags()
+    parts = {
+        "version": VERSION,
+        "llmlib": llmlib.__version__,
+        "torch": torch.__version__,
+        "kind": kind,
+        "model": file_digest(Path(source)),
+        "format": getattr(model, "weight_format", ""),
+        "dtype": str(model.dtype),
+        "flags": f.describe(),
+        "cpu": sorted(f.cpu_flags),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class _DecodeStep(nn.Module):
+    """The one-request decode step as a module ``torch.export`` can trace: ``(ids, positions, *k,
+    *v)`` -> logits, the cache's tensors written in place."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor):
+        from llmlib.runtime.static import StaticKVCache
+
+        cache = StaticKVCache.over(list(kv[: len(kv) // 2]), list(kv[len(kv) // 2 :]))
+        return self.model(ids, positions, cache, last_only=True)
+
+
+def load_kernels() -> None:
+    """Build (once per machine) and register every C++ operator the flags choose here."""
+    from llmlib.kernels import integer, matvec, norm, paged_attention
+
+    for kernel in (integer, matvec, norm, paged_attention):
+        kernel.available()
+
+
+def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p for n, p in module.named_parameters()}
+    out.update({n: b for n, b in module.named_buffers()})
+    return out
+
+
+def load_decode_step(model: nn.Module, log: Callable[[str], None] | None = None):
+    """``step(model, ids, positions, cache)`` for ``model``'s one-request decode, from its package
+    on disk (compiled and stored first if there is none), or None where the model has no key or
+    this step cannot be compiled ahead of time here (the caller compiles in memory). The second
+    value says whether it came from the disk: ``(step, cached)``."""
+    key = step_key(model, "decode")
+    if key is None:
+        return None, False
+    path = cache_dir() / f"decode-{key}.pt2"
+    wrapper = _DecodeStep(model)
+    cached = path.exists()
+    load_kernels()  # a package calls llmlib's C++ operators by name: register them first
+    try:
+        if not cached:
+            _compile(wrapper, model, path, log)
+        loaded = torch._inductor.aoti_load_package(str(path))
+        names = loaded.get_constant_fqns()
+        consts = _constants(wrapper)
+        loaded.load_constants(
+            {n: consts[n] for n in names}, check_full_update=True, user_managed=True
+        )
+    except Exception as e:  # an op or layout AOTInductor cannot take here: compile in memory
+        if log is not None:
+            log(f"llmlib: this decode step cannot be compiled ahead of time here ({e!s:.200})")
+        return None, False
+
+    def step(m: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: Any):
+        return loaded(ids, positions, *cache.k, *cache.v)
+
+    return step, cached
+
+
+def _compile(wrapper: _DecodeStep, model: nn.Module, path: Path, log) -> None:
+    from llmlib.runtime.static import StaticKVCache
+
+    cfg = model.config
+    cache = StaticKVCache(cfg, 1, 64, model.device, model.dtype)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    pos = torch.full((1, 1), 3, dtype=torch.long, device=model.device)
+    kv = [*cache.k, *cache.v]
+    slots = torch.export.Dim("slots", min=16, max=max(cfg.max_seq_len, 32))
+    shapes = {"ids": None, "positions": None, "kv": tuple({2: slots} for _ in kv)}
+    t0 = time.perf_counter()
+    if log is not None:
+        log(f"llmlib: compiling the decode step for this machine, once ({expected(model)})...")
+    with torch.inference_mode(False), torch.no_grad():
+        ep = torch.export.export(wrapper, (ids, pos, *kv), dynamic_shapes=shapes, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(
+            ep,
+            package_path=str(tmp),
+            inductor_configs={"aot_inductor.package_constants_in_so": False},
+        )
+    tmp.replace(path)
+    _remember_time(model, time.perf_counter() - t0)
+
+
+def _times() -> Path:
+    return cache_dir() / "compile_seconds.json"
+
+
+def _remember_time(model: nn.Module, seconds: float) -> None:
+    try:
+        known = json.loads(_times().read_text()) if _times().exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    known[getattr(model, "weight_format", "")] = round(seconds, 1)
+    _times().write_text(json.dumps(known))
+
+
+def expected(model: nn.Module) -> str:
+    """What the compile is expected to take here: the last one's time for this format, else a
+    rough figure."""
+    try:
+        known = json.loads(_times().read_text())
+        s = known.get(getattr(model, "weight_format", ""))
+        if s:
+            return f"about {s:.0f} s, as last time"
+    except (OSError, ValueError):
+        pass
+    return "about a minute on a small CPU"
+
+
+def print_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
