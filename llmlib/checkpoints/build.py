@@ -45,8 +45,9 @@ def read_checkpoint(
     if path.suffix == ".gguf":
         from llmlib.checkpoints.gguf import gguf_name, read_gguf
 
-        cfg, state = read_gguf(path, blocks=blocks)
-        return cfg, state, lambda k: f"{k} (GGUF {gguf_name(k)})"
+        sources: dict[str, str] = {}
+        cfg, state = read_gguf(path, blocks=blocks, sources=sources)
+        return cfg, state, lambda k: f"{k} (GGUF {sources.get(k) or gguf_name(k)})"
     if path.is_dir():
         from llmlib.checkpoints.hf import read_hf_folder
 

@@ -9,66 +9,52 @@ themselves are decoded by :mod:`llmlib.checkpoints.quant`, our own dequantizer.
 
 Three things differ from a Hugging Face checkpoint, and :func:`read_gguf` undoes each:
 
-* names: ``blk.3.attn_q.weight`` becomes ``layers.3.attn.wq.weight`` (see :data:`TENSOR_NAMES`);
+* names: ``blk.3.attn_q.weight`` becomes ``layers.3.attn.wq.weight`` (see
+  :data:`~llmlib.checkpoints.gguf_arch.TENSOR_NAMES`);
 * dimension order: the header lists dimensions fastest-first (``ne[0]`` is the row length), the
   reverse of numpy and torch, so a ``[576, 1536]`` GGUF tensor is a ``[1536, 576]`` torch matrix;
 * rotary layout: llama.cpp rotates *adjacent* pairs (0,1), (2,3), ... of each head of a
   ``llama`` model, while Hugging Face checkpoints (and llmlib) rotate element ``i`` with
   ``i + head_dim/2``. The converter therefore permutes the rows of ``W_q`` and ``W_k`` head by head;
   we permute them back (:func:`unpermute_qk`), which is what makes the logits equal to
-  ``transformers``. For ``qwen2`` and ``qwen3`` llama.cpp rotates split halves (its "NEOX" mode)
-  and the converter leaves the rows alone, so there is nothing to undo.
+  ``transformers``. Every other architecture read here rotates split halves in llama.cpp too (its
+  "NEOX" mode) and the converter leaves the rows alone, so there is nothing to undo.
 
-Besides ``llama``, the ``qwen2`` (q, k, v biases) and ``qwen3`` (per-head q/k norms)
-architectures are read: their metadata says everything the model needs (:data:`ARCH_FIELDS`).
+The architectures (``llama`` with Mistral and Mixtral, ``qwen2``, ``qwen3``, ``qwen3moe``,
+``phi3``, ``gemma2``, ``gemma3``), what each one's metadata says and what its converter changes
+(fused tensors, Gemma's norm gains stored as ``1 + w``) are the table of
+:mod:`llmlib.checkpoints.gguf_arch`; every tensor reads through its list of
+:class:`~llmlib.checkpoints.gguf_arch.Part`, here and in the lazy reader
+(:mod:`llmlib.checkpoints.lazy`) alike.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from llmlib.checkpoints.gguf_arch import (  # the names tables and gguf_name: re-exported
+    ARCHITECTURES,
+    GLOBAL_NAMES,  # noqa: F401
+    MERGED_EXPERTS,  # noqa: F401
+    TENSOR_NAMES,  # noqa: F401
+    Part,
+    f32_to_float,
+    family_fields,
+    gguf_name,  # noqa: F401
+    in_family,
+    tensor_parts,
+)
 from llmlib.checkpoints.quant import block_format, dequantize
 from llmlib.config import ModelConfig, RopeScaling
 from llmlib.gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 from llmlib.model.rope import interleaved_to_split_half_perm, permute_heads
 
-#: GGUF tensor names (after ``blk.N.``) and their llmlib names (after ``layers.N.``).
-TENSOR_NAMES: dict[str, str] = {
-    "attn_norm": "attn_norm",
-    "attn_q": "attn.wq",
-    "attn_k": "attn.wk",
-    "attn_v": "attn.wv",
-    "attn_output": "attn.wo",
-    "ffn_norm": "ffn_norm",
-    "ffn_gate": "ffn.w_gate",
-    "ffn_up": "ffn.w_up",
-    "ffn_down": "ffn.w_down",
-    "ffn_gate_inp": "ffn.router",  # mixture of experts: the router
-    "attn_q_norm": "attn.q_norm",  # Qwen3: per-head RMSNorm gains
-    "attn_k_norm": "attn.k_norm",
-}
-#: Model-level tensors.
-GLOBAL_NAMES: dict[str, str] = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
-#: Mixture-of-experts weights stored as one 3-D tensor per layer: [n_experts, out, in].
-MERGED_EXPERTS: dict[str, str] = {
-    "ffn_gate_exps": "w_gate",
-    "ffn_up_exps": "w_up",
-    "ffn_down_exps": "w_down",
-}
-
-#: Per GGUF architecture, the family fields its metadata implies (see :mod:`llmlib.families`).
-ARCH_FIELDS: dict[str, dict[str, object]] = {
-    "llama": {},
-    "qwen2": {"family": "qwen2", "qkv_bias": True},
-    "qwen3": {"family": "qwen3", "qk_norm": True},
-}
-SUPPORTED_ARCHITECTURES = tuple(ARCH_FIELDS)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 #: Architectures whose converter permutes the rows of W_q and W_k for interleaved RoPE.
-PERMUTED_QK = ("llama",)
+PERMUTED_QK = tuple(a for a, arch in ARCHITECTURES.items() if arch.permuted_qk)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -124,12 +110,6 @@ def _get(reader: GGUFFile, key: str, default: object = None, required: bool = Fa
     return reader.metadata[key]
 
 
-def _f32_to_float(x: object) -> float:
-    # Metadata floats are float32: 1e-5 is stored as 9.99999974e-06. The shortest decimal that
-    # rounds to the same float32 recovers the value the model's authors wrote.
-    return float(str(np.float32(x)))
-
-
 def _tensor_shape(t: TensorInfo) -> tuple[int, ...]:
     """The torch shape of a tensor (the reader has already reversed GGUF's fastest-first dims)."""
     return tuple(t.shape)
@@ -182,6 +162,8 @@ def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
     n_heads = int(_get(reader, p + "attention.head_count", required=True))
     n_kv = int(_get(reader, p + "attention.head_count_kv", n_heads))
     head_dim = int(_get(reader, p + "attention.key_length", d_model // n_heads))
+    if int(_get(reader, p + "attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{p}attention.value_length differs from key_length; llmlib needs one")
     rot = int(_get(reader, p + "rope.dimension_count", head_dim))
     if rot != head_dim:
         raise ValueError(
@@ -199,14 +181,17 @@ def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
             "cannot tell the vocabulary size: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight"
         )
 
-    theta = _f32_to_float(_get(reader, p + "rope.freq_base", 10_000.0))
+    theta = f32_to_float(_get(reader, p + "rope.freq_base", 10_000.0))
     rope_scaling = None
     scaling_type = _get(reader, p + "rope.scaling.type")
-    if scaling_type not in (None, "none", "linear") or (
-        scaling_type == "linear" and _get(reader, p + "rope.scaling.factor", 1.0) != 1.0
-    ):
+    if scaling_type not in (None, "none", "linear"):
         raise ValueError(f"{p}rope.scaling.type {scaling_type!r} is not supported")
+    factor = f32_to_float(_get(reader, p + "rope.scaling.factor", 1.0))
+    if scaling_type == "linear" and factor != 1.0:  # every frequency divided (Gemma 3's global)
+        rope_scaling = RopeScaling(factor=factor, rope_type="linear")
     if "rope_freqs.weight" in tensors:
+        if rope_scaling is not None:
+            raise ValueError("rope_freqs.weight and a linear rope.scaling.factor: one scaling only")
         t = tensors["rope_freqs.weight"]
         freqs = dequantize(reader.raw(t.name), t.ggml_type, _tensor_shape(t), t.name)
         rope_scaling = _rope_scaling_from_freqs(freqs, theta, head_dim, t.name)
@@ -222,11 +207,13 @@ def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
             eos_ids.append(int(v))
     bos = _get(reader, "tokenizer.ggml.bos_token_id")
 
+    n_layers = int(_get(reader, p + "block_count", required=True))
+    shape = dict(n_layers=n_layers, head_dim=head_dim, d_model=d_model, n_heads=n_heads)
     return ModelConfig(
         name=name,
         vocab_size=int(vocab),
         d_model=d_model,
-        n_layers=int(_get(reader, p + "block_count", required=True)),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         ffn_dim=int(_get(reader, p + "feed_forward_length", required=True)),
@@ -234,88 +221,59 @@ def config_from_gguf(reader: GGUFFile, name: str = "gguf") -> ModelConfig:
         max_seq_len=int(_get(reader, p + "context_length", 8192)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        norm_eps=_f32_to_float(_get(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=f32_to_float(_get(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         n_experts=int(_get(reader, p + "expert_count", 0) or 0),
         n_experts_per_token=int(_get(reader, p + "expert_used_count", 0) or 0),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
-        **ARCH_FIELDS[arch],  # type: ignore[arg-type]
+        **family_fields(reader.metadata, arch, tensors, shape),  # type: ignore[arg-type]
     )
 
 
 # ---- tensors ----------------------------------------------------------------------------------
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+?)(?:\.(\d+))?\.(weight|bias)$")
-_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")  # the tensors a bias may belong to
 
-
-def llmlib_name(gguf_name: str) -> str | None:
-    """Map a GGUF tensor name to llmlib's parameter name (None for names llmlib does not know).
-
-    Merged expert tensors (``ffn_gate_exps``) map to the prefix ``layers.N.ffn.experts.*.w_gate``;
-    :func:`read_gguf` splits them per expert.
-    """
-    if gguf_name.endswith(".weight") and gguf_name[: -len(".weight")] in GLOBAL_NAMES:
-        return GLOBAL_NAMES[gguf_name[: -len(".weight")]] + ".weight"
-    m = _BLOCK.match(gguf_name)
-    if not m:
-        return None
-    layer, kind, expert, suffix = m.groups()
-    if suffix == "bias":
-        return (
-            f"layers.{layer}.{TENSOR_NAMES[kind]}.bias" if kind in _BIASED and not expert else None
-        )
-    if kind in MERGED_EXPERTS and expert is None:
-        return f"layers.{layer}.ffn.experts.*.{MERGED_EXPERTS[kind]}.weight"
-    if expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down"):  # older per-expert layout
-        return f"layers.{layer}.ffn.experts.{expert}.{TENSOR_NAMES[kind].split('.')[1]}.weight"
-    if expert is None and kind in TENSOR_NAMES:
-        return f"layers.{layer}.{TENSOR_NAMES[kind]}.weight"
-    return None
-
-
-def gguf_name(llmlib_key: str) -> str:
-    """The GGUF name a llmlib parameter comes from (for error messages): the inverse of :func:`llmlib_name`."""
-    suffix = ".bias" if llmlib_key.endswith(".bias") else ".weight"
-    key = llmlib_key.removesuffix(suffix)
-    for g, ours in GLOBAL_NAMES.items():
-        if key == ours:
-            return g + ".weight"
-    m = re.match(r"^layers\.(\d+)\.(.+)$", key)
-    if m:
-        layer, rest = m.groups()
-        e = re.match(r"^ffn\.experts\.(\d+)\.(w_gate|w_up|w_down)$", rest)
-        if e:
-            kind = {v: k for k, v in MERGED_EXPERTS.items()}[e.group(2)]
-            return f"blk.{layer}.{kind}.weight[{e.group(1)}]"
-        for g, ours in TENSOR_NAMES.items():
-            if rest == ours:
-                return f"blk.{layer}.{g}{suffix}"
-    return llmlib_key
+def take(w: torch.Tensor, part: Part) -> torch.Tensor:
+    """``part`` of a GGUF tensor read whole (floats, or the raw rows of a block-quantized matrix):
+    its expert, its rows, un-permuted, less its shift."""
+    if part.expert is not None:
+        w = w[part.expert]
+    if part.rows is not None:
+        w = w[part.rows[0] : part.rows[1]]
+    if part.heads is not None:
+        w = unpermute_qk(w, part.heads)
+    return w - part.shift if part.shift else w
 
 
 def read_gguf(
-    path: str | Path, progress: bool | None = None, blocks: dict | None = None
+    path: str | Path,
+    progress: bool | None = None,
+    blocks: dict | None = None,
+    sources: dict | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a ``llama``, ``qwen2`` or ``qwen3`` GGUF file into ``(config, state_dict)``, float32.
+    """Read a GGUF file of any architecture in :data:`SUPPORTED_ARCHITECTURES` into
+    ``(config, state_dict)``, float32.
 
-    The state dict uses llmlib's parameter names (see :class:`llmlib.model.Transformer`), with the
-    query and key projections back in Hugging Face's split-half rotary layout. Errors name the
-    offending field or tensor: an unknown architecture or quantization type, a missing, extra or
-    mis-shaped tensor, and a truncated file are all ValueErrors. ``progress=None`` shows a progress
-    bar only for files over a gigabyte (a small model decodes in a second or two).
+    The state dict uses llmlib's parameter names (see :class:`llmlib.model.Transformer`) and holds
+    what the Hugging Face folder would: query and key projections back in split-half rotary
+    layout, fused tensors split, Gemma's norm gains without the 1 the converter added. Errors name
+    the offending field or tensor: an unknown architecture or quantization type, a missing, extra
+    or mis-shaped tensor, and a truncated file are all ValueErrors. ``progress=None`` shows a
+    progress bar only for files over a gigabyte (a small model decodes in a second or two).
 
     ``blocks``, a dict, receives the raw bytes of every block-quantized matrix as
     ``{llmlib name: (type name, uint8 tensor [rows, bytes per row])}``, rows in the same order as
     the float tensor (q and k un-permuted): what ``quantization="gguf"`` repacks without
-    re-quantizing (:mod:`llmlib.checkpoints.repack`).
+    re-quantizing (:mod:`llmlib.checkpoints.repack`). ``sources`` receives, per llmlib name, the
+    GGUF tensor it came from (and the part of it), for messages.
     """
     path = Path(path)
     reader = open_gguf(path)
     if progress is None:
         progress = path.stat().st_size > 1 << 30
     cfg = config_from_gguf(reader, name=path.stem)
+    arch = reader.architecture
 
     # Check the whole table before decoding anything: a bad file fails fast, with a name.
     for t in reader.tensors.values():
@@ -330,11 +288,11 @@ def read_gguf(
     for t in tensors:
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg.rope_scaling
-        ours = llmlib_name(t.name)
-        if ours is None or not _in_family(cfg, ours):
+        shape = _tensor_shape(t)
+        parts = tensor_parts(cfg, arch, t.name, shape)
+        if parts is None or not all(in_family(cfg, q.name) for q in parts):
             extra.append(t.name)
             continue
-        shape = _tensor_shape(t)
         try:
             # ValueError on a short buffer
             w = dequantize(reader.raw(t.name), t.ggml_type, shape, t.name)
@@ -342,37 +300,20 @@ def read_gguf(
             raise ValueError(
                 f"{t.name}: cannot read its data ({e}); the file is truncated or corrupt"
             ) from e
-        if ".experts.*." in ours:  # one [E, out, in] tensor -> E matrices
-            for e in range(w.shape[0]):
-                state[ours.replace("*", str(e))] = w[e]
-            continue
         raw = None
         fmt = block_format(t.ggml_type, t.name)
         if blocks is not None and fmt.block_size > 1 and w.ndim == 2:
             raw = torch.from_numpy(np.array(reader.raw(t.name), dtype=np.uint8))
             raw = raw.view(shape[0], -1)
-        permuted = reader.metadata["general.architecture"] in PERMUTED_QK
-        if permuted and ours.endswith("attn.wq.weight") and w.ndim == 2:
-            w = unpermute_qk(w, cfg.n_heads)
-            raw = None if raw is None else unpermute_qk(raw, cfg.n_heads)
-        elif permuted and ours.endswith("attn.wk.weight") and w.ndim == 2:
-            w = unpermute_qk(w, cfg.n_kv_heads)
-            raw = None if raw is None else unpermute_qk(raw, cfg.n_kv_heads)
-        state[ours] = w.contiguous()
-        if raw is not None:
-            blocks[ours] = (fmt.name, raw.contiguous())
+        for q in parts:
+            state[q.name] = take(w, q).contiguous()
+            if raw is not None:
+                blocks[q.name] = (fmt.name, take(raw, q).contiguous())
+            if sources is not None:
+                sources[q.name] = q.source(t.name)
 
     if extra:
         raise ValueError(
             f"{path.name}: unexpected tensor(s) llmlib does not know: {', '.join(extra[:5])}"
         )
     return cfg, state  # names and shapes are checked once, against the shape table, by build_model
-
-
-def _in_family(cfg: ModelConfig, ours: str) -> bool:
-    """Whether a tensor llmlib knows belongs to this architecture (a bias only where it has them)."""
-    if ours.endswith(".bias"):
-        return cfg.out_bias if ".attn.wo." in ours else cfg.qkv_bias
-    if ".q_norm." in ours or ".k_norm." in ours:
-        return cfg.qk_norm
-    return True

@@ -218,16 +218,19 @@ def _read_permuted(reader: Any, info: Any, head_dim: int, index: Index) -> torch
     return w[0] if isinstance(rows, int) else w
 
 
-def lazy_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, LazyTensor]]:
+def _shifted(reader: Any, info: Any, shift: float, index: Index) -> torch.Tensor:
+    """A slice of a tensor stored plus ``shift`` (Gemma's norm gains, ``1 + w``), less it."""
+    return gguf_slice(reader, info, index) - shift
+
+
+def lazy_gguf(
+    path: str | Path, sources: dict | None = None
+) -> tuple[ModelConfig, dict[str, LazyTensor]]:
     """A GGUF file's config and its tensors in llmlib's names, lazily: what
-    :func:`llmlib.checkpoints.gguf.read_gguf` returns, read on demand (the same name table)."""
-    from llmlib.checkpoints.gguf import (
-        PERMUTED_QK,
-        _in_family,
-        config_from_gguf,
-        llmlib_name,
-        open_gguf,
-    )
+    :func:`llmlib.checkpoints.gguf.read_gguf` returns, read on demand (the same
+    :func:`~llmlib.checkpoints.gguf_arch.tensor_parts` of each tensor; ``sources`` as there)."""
+    from llmlib.checkpoints.gguf import config_from_gguf, open_gguf
+    from llmlib.checkpoints.gguf_arch import in_family, tensor_parts
     from llmlib.checkpoints.quant import block_format
 
     path = Path(path)
@@ -235,27 +238,27 @@ def lazy_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, LazyTensor]]:
     cfg = config_from_gguf(reader, name=path.stem)
     for t in reader.tensors.values():
         block_format(t.ggml_type, t.name)  # unknown quantization type -> ValueError, before reading
-    permuted = reader.architecture in PERMUTED_QK
     state: dict[str, LazyTensor] = {}
     extra: list[str] = []
     for t in reader.tensors.values():
         if t.name == "rope_freqs.weight":
             continue  # folded into cfg.rope_scaling
-        ours = llmlib_name(t.name)
-        if ours is None or not _in_family(cfg, ours):
+        parts = tensor_parts(cfg, reader.architecture, t.name, tuple(t.shape))
+        if parts is None or not all(in_family(cfg, q.name) for q in parts):
             extra.append(t.name)
             continue
-        if ".experts.*." in ours:  # one [E, out, in] tensor -> E matrices
-            whole = LazyTensor(functools.partial(gguf_slice, reader, t), t.shape, torch.float32)
-            for e in range(t.shape[0]):
-                state[ours.replace("*", str(e))] = whole[e]
-            continue
-        qk = ours.endswith(("attn.wq.weight", "attn.wk.weight")) and len(t.shape) == 2
-        if permuted and qk:
-            read = functools.partial(_read_permuted, reader, t, cfg.head_dim)
-        else:
-            read = functools.partial(gguf_slice, reader, t)
-        state[ours] = LazyTensor(read, t.shape, torch.float32)
+        for q in parts:
+            if q.heads is not None:  # q and k rows llama.cpp permuted: read in whole heads
+                read = functools.partial(_read_permuted, reader, t, cfg.head_dim)
+            elif q.shift:
+                read = functools.partial(_shifted, reader, t, q.shift)
+            else:
+                read = functools.partial(gguf_slice, reader, t)
+            x = LazyTensor(read, t.shape, torch.float32)
+            x = x if q.expert is None else x[q.expert]
+            state[q.name] = x if q.rows is None else x[q.rows[0] : q.rows[1]]
+            if sources is not None:
+                sources[q.name] = q.source(t.name)
     if extra:
         raise ValueError(
             f"{path.name}: unexpected tensor(s) llmlib does not know: {', '.join(extra[:5])}"
@@ -271,10 +274,11 @@ def read_checkpoint_lazy(
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     if path.suffix == ".gguf":
-        from llmlib.checkpoints.gguf import gguf_name
+        from llmlib.checkpoints.gguf_arch import gguf_name
 
-        cfg, state = lazy_gguf(path)
-        return cfg, state, lambda k: f"{k} (GGUF {gguf_name(k)})"
+        sources: dict[str, str] = {}
+        cfg, state = lazy_gguf(path, sources)
+        return cfg, state, lambda k: f"{k} (GGUF {sources.get(k) or gguf_name(k)})"
     if path.is_dir():
         from llmlib.checkpoints.hf import read_hf_folder
 
@@ -289,19 +293,23 @@ class GGUFBlocks:
     """One block-quantized matrix of a GGUF file, not yet read: ``kind`` (its type name) and,
     called, ``(kind, uint8 [rows, bytes per row])`` with the rows in llmlib's order (a query or
     key matrix's heads un-permuted: its blocks are whole rows). ``rows(i, j)`` reads rows
-    ``i .. j-1`` alone, straight from the memory map (a matrix whose rows need no permuting)."""
+    ``i .. j-1`` alone, straight from the memory map (a matrix whose rows need no permuting).
+    ``part`` is the range of the stored tensor's rows the matrix is (a fused tensor's split)."""
 
-    def __init__(self, reader: Any, info: Any, heads: int | None) -> None:
+    def __init__(
+        self, reader: Any, info: Any, heads: int | None, part: tuple[int, int] | None = None
+    ) -> None:
         from llmlib.checkpoints.quant import block_format
 
         self.reader, self.info, self.heads = reader, info, heads
         self.kind = block_format(info.ggml_type, info.name).name
-        self.n_rows = info.shape[0]
+        self.r0, r1 = part or (0, info.shape[0])
+        self.n_rows = r1 - self.r0
 
     def _raw(self) -> np.ndarray:
         try:
             raw = np.asarray(self.reader.raw(self.info.name), dtype=np.uint8)
-            return raw.reshape(self.n_rows, -1)
+            return raw.reshape(self.info.shape[0], -1)[self.r0 : self.r0 + self.n_rows]
         except (TypeError, ValueError, OSError) as e:  # a memory map cut short
             raise ValueError(
                 f"{self.info.name}: cannot read its data ({e}); the file is truncated or corrupt"
@@ -323,20 +331,15 @@ def lazy_gguf_blocks(path: str | Path, cfg: ModelConfig) -> dict[str, GGUFBlocks
     """``{llmlib name: its blocks}`` for every block-quantized matrix of a GGUF file
     (:class:`GGUFBlocks`); nothing is read until asked
     (:func:`llmlib.checkpoints.build.build_model` reads each matrix once)."""
-    from llmlib.checkpoints.gguf import PERMUTED_QK, llmlib_name, open_gguf
+    from llmlib.checkpoints.gguf import open_gguf
+    from llmlib.checkpoints.gguf_arch import tensor_parts
     from llmlib.checkpoints.quant import block_format
 
     reader = open_gguf(Path(path))
-    permuted = reader.architecture in PERMUTED_QK
     out: dict[str, GGUFBlocks] = {}
     for t in reader.tensors.values():
-        ours = llmlib_name(t.name)
-        if ours is None or len(t.shape) != 2 or block_format(t.ggml_type, t.name).block_size == 1:
+        if len(t.shape) != 2 or block_format(t.ggml_type, t.name).block_size == 1:
             continue
-        heads = None
-        if permuted and ours.endswith("attn.wq.weight"):
-            heads = cfg.n_heads
-        elif permuted and ours.endswith("attn.wk.weight"):
-            heads = cfg.n_kv_heads
-        out[ours] = GGUFBlocks(reader, t, heads)
+        for q in tensor_parts(cfg, reader.architecture, t.name, tuple(t.shape)) or ():
+            out[q.name] = GGUFBlocks(reader, t, q.heads, q.rows)
     return out
