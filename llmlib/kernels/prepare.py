@@ -29,7 +29,7 @@ import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -254,9 +254,12 @@ def prepare(
         src = sources(name) if sources is not None else None
         if src is None:
             src = mod.weight.detach()
-        if name == "embed" and not tied and isinstance(src, torch.Tensor):
-            _set_dense(mod, src, fmt)  # an untied float table: plain rows for the lookup
-            continue
+        if name == "embed" and not tied:
+            if isinstance(src, Rows):  # a table read in slices: its float rows, not quantized
+                src = _assemble(src, name, replace(fmt, quantization=None), describe, None)
+            if isinstance(src, torch.Tensor):
+                _set_dense(mod, src, fmt)  # an untied float table: plain rows for the lookup
+                continue
         packed = pack_matrix(name, src, fmt, describe, slots.get(name))
         del src
         _install(model, name, mod, packed)
