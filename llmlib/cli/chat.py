@@ -18,6 +18,7 @@ from llmlib.cli.common import (
     add_model_args,
     add_sampling_args,
     cli_generator,
+    decode_note,
     sampling_params,
 )
 from llmlib.generate import Generator
@@ -108,17 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--system", default=None, help="a system message to start the conversation with"
     )
-    add_decode_args(
-        ap, "torch.compile the decode step (once, before the first turn: pays over a long chat)"
-    )
+    add_decode_args(ap, "compile the decode step (once per machine; kept on disk)")
     add_model_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
         gen = cli_generator(args)
-        compiled = f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else ""
-        print(f"(weights: {gen.weight_format}{compiled})", file=sys.stderr)
+        print(f"(weights: {gen.weight_format}{decode_note(gen)})", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"llmlib chat: error: {e}", file=sys.stderr)
         return 2

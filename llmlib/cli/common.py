@@ -99,23 +99,42 @@ def generator_args(args: argparse.Namespace) -> tuple[Any, Any, Any, str | None]
 
 
 def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
-    """``--compile`` and ``--speculative``: how the one-request generator decodes."""
+    """``--compile``/``--no-compile`` and ``--speculative``: how the one-request generator
+    decodes. Compiled is the default on a CPU (the compiled step is kept on disk after the first
+    start: :mod:`llmlib.runtime.aot`); speculative decoding runs eagerly."""
     from llmlib.speculative.config import SPEC_HELP
 
-    ap.add_argument("--compile", action="store_true", help=compile_help)
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=compile_help + " (default: on a CPU, unless --speculative)",
+    )
     ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
 
 
 def cli_generator(args: argparse.Namespace) -> Any:
     """The :class:`~llmlib.generate.Generator` the model, format and decode arguments ask for;
-    compiled now (``--compile``), so the first answer's timing is decoding, not compilation."""
+    compiled now where it compiles, so the first answer's timing is decoding, not compilation."""
+    from llmlib.device import pick_device
     from llmlib.generate import load_generator
     from llmlib.speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
+    compile = args.compile
+    if compile is None:  # the fast path by default, where it is fast: a CPU's compiled step
+        compile = spec is None and pick_device(getattr(args, "device", None)).type == "cpu"
     gen = load_generator(
-        *generator_args(args), group_size=args.group_size, compile=args.compile, speculative=spec
+        *generator_args(args), group_size=args.group_size, compile=compile, speculative=spec
     )
-    if args.compile:
-        gen.warmup()
+    if gen.decode_path == "compiled (in memory)":
+        gen.warmup()  # torch.compile compiles on the first call
     return gen
+
+
+def decode_note(gen: Any) -> str:
+    """The timing line's word on which decode step ran, and what compiling cost."""
+    note = f"; decode {gen.decode_path}"
+    if gen.compile_s:
+        note += f" in {gen.compile_s:.1f} s"
+    return note

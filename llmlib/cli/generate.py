@@ -10,6 +10,7 @@ from llmlib.cli.common import (
     add_model_args,
     add_sampling_args,
     cli_generator,
+    decode_note,
     sampling_params,
 )
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-stream", action="store_true", help="print the text only when done")
     ap.add_argument("--quiet", action="store_true", help="no timing line on stderr")
-    add_decode_args(ap, "torch.compile the decode step (compiles once)")
+    add_decode_args(ap, "compile the decode step (once per machine; kept on disk)")
     add_model_args(ap)
     ap.add_argument(
         "--tensor-parallel-size",
@@ -73,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[{len(out.prompt_ids)} prompt tokens, {len(out.token_ids)} new, finish={out.finish_reason}; "
             f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s; "
-            f"weights {gen.weight_format}"
-            + (f", compiled in {gen.compile_s:.1f} s" if gen.compile_s else "")
-            + _spec_note(out)
-            + "]",
+            f"weights {gen.weight_format}" + decode_note(gen) + _spec_note(out) + "]",
             file=sys.stderr,
         )
     return 0

@@ -1,0 +1,72 @@
+"""Compiled decode steps kept on disk (llmlib.runtime.aot): compiled once, found again by their
+key, loaded without a copy of the weights, and giving the eager step's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_gguf import TINY, random_hf_weights, write_gguf
+
+import llmlib
+from llmlib.kernels.flags import forced
+from llmlib.runtime import aot
+
+
+class Tok:
+    """Token i is the byte i."""
+
+    eos_id = bos_id = None
+    vocab_size = TINY.vocab_size
+    special_tokens: dict = {}
+
+    def id_to_bytes(self, i: int) -> bytes:
+        return bytes([i % 256])
+
+    def encode(self, text, allowed_special=None):
+        return [b % TINY.vocab_size for b in text.encode()]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("aot")
+    return write_gguf(d / "tiny.gguf", TINY, random_hf_weights(TINY, seed=4))
+
+
+def test_compiled_once_then_loaded_from_disk(model_file, tmp_path) -> None:
+    prompt = [5, 9, 11, 3, 7]
+    with forced(cache=tmp_path):
+        model = llmlib.load_model(model_file, "cpu", "float32")
+        eager = llmlib.Generator(model, Tok()).generate(prompt, max_new_tokens=12, ignore_eos=True)
+        first = llmlib.Generator(model, Tok(), compile=True)
+        assert first.decode_path == "compiled (now, cached)" and first.compile_s > 0
+        packages = list((tmp_path / "compiled").glob("decode-*.pt2"))
+        assert len(packages) == 1
+        # the package holds code, not the weights: the model's own tensors are its constants
+        assert packages[0].stat().st_size < 0.5 * model_file.stat().st_size + (4 << 20)
+        out = first.generate(prompt, max_new_tokens=12, ignore_eos=True)
+        assert out.token_ids == eager.token_ids
+        again = llmlib.Generator(
+            llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True
+        )
+        assert again.decode_path == "compiled (from the cache)" and again.compile_s is None
+        assert again.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == out.token_ids
+        # a cache longer than the one it was traced with: the cache's length is symbolic
+        long = again.generate(list(range(1, 60)) * 4, max_new_tokens=4, ignore_eos=True)
+        ref = llmlib.Generator(model, Tok()).generate(
+            list(range(1, 60)) * 4, max_new_tokens=4, ignore_eos=True
+        )
+        assert long.token_ids == ref.token_ids
+
+
+def test_the_key_follows_the_file_the_format_and_the_machines_choices(model_file, tmp_path):
+    with forced(cache=tmp_path):
+        a = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "decode")
+        b = aot.step_key(llmlib.load_model(model_file, "cpu", "float32", "int8"), "decode")
+        with forced(paged_kernel=False):
+            c = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "decode")
+        built = llmlib.model.random_model(TINY, "cpu")
+        assert aot.step_key(built, "decode") is None  # nothing to find a built model by
+        assert aot.file_digest(model_file) == aot.file_digest(model_file)  # remembered
+        assert (tmp_path / "compiled" / "digests.json").exists()
+    assert len({a, b, c}) == 3
