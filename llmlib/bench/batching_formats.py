@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from llmlib.bench import save_json
-from llmlib.bench.formats import _rss_anon, format_of, parse_formats
+from llmlib.bench.formats import format_of, parse_formats
+from llmlib.bench.memory import rss_anon
 
 PEER_SCRIPT = Path(__file__).with_name("_vllm_peer.py")
 
@@ -104,11 +105,11 @@ def run(
         rows[name] = {"name": name, "dtype": dtype, "quantization": q, "compiled": comp}
         if comp:
             compiled.add(name)
-        before = _rss_anon()
+        before = rss_anon()
         warm = run_continuous(m, tok, requests[:4], *engine, compile=comp)  # warm up (compile)
         if comp:
             rows[name]["compile_s"] = round(warm["compile_s"], 1)
-            grown = _rss_anon()
+            grown = rss_anon()
             if before is not None and grown is not None:  # the constants the frozen graph owns
                 rows[name]["compile_resident_bytes"] = grown - before
         rows[name]["weight_format"] = fmt = getattr(m, "weight_format", dtype)
