@@ -70,3 +70,26 @@ def test_the_key_follows_the_file_the_format_and_the_machines_choices(model_file
         assert aot.file_digest(model_file) == aot.file_digest(model_file)  # remembered
         assert (tmp_path / "compiled" / "digests.json").exists()
     assert len({a, b, c}) == 3
+
+
+def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> None:
+    """``LLM(compile=True)`` on a model from a file: the all-decode steps (every batch size and
+    history length: one package) give the eager engine's tokens, and the next engine loads the
+    package instead of compiling."""
+    prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
+    params = llmlib.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8)
+    with forced(cache=tmp_path):
+        model = llmlib.load_model(model_file, "cpu", "float32")
+        want = [
+            o.token_ids for o in llmlib.LLM(model, Tok(), **kw).generate(prompts, params, False)
+        ]
+        first = llmlib.LLM(model, Tok(), compile=True, **kw)
+        assert first.runner.decode_path == "compiled (now, cached)"
+        got = [o.token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+        assert got == want and first.runner.graphs.static_steps > 0
+        again = llmlib.LLM(
+            llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True, **kw
+        )
+        assert again.runner.decode_path == "compiled (from the cache)"
+        assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == want

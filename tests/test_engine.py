@@ -160,17 +160,20 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     assert llm.stats().preemptions > 0 if num_blocks == 48 else llm.stats().preemptions == 0
 
 
-def test_compiled_decode_steps_match_the_generator(model, tok, workload, reference):
-    """``LLM(compile=True)``: the fixed-shape decode steps through one torch.compile graph with
+def test_compiled_decode_steps_match_the_generator(model, tok, workload, reference, monkeypatch):
+    """``LLM(compile=True)`` on a model with no file behind it (so no package on disk: see
+    tests/test_aot.py): the fixed-shape decode steps through one torch.compile graph with
     symbolic sizes, compiled when the engine starts. The same greedy tokens; no second graph for
     the other batch sizes and history lengths; a second engine on the same model reuses the graph;
     and the modes it does not serve say so."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(model, "source_path", None)
     prompts, max_tokens = (x[:24] for x in workload)
     counters.clear()
     kw = dict(num_blocks=512, block_size=4, max_num_batched_tokens=256, max_num_seqs=24)
     llm = LLM(model, tok, compile=True, **kw)
+    assert llm.runner.decode_path == "compiled (in memory)"
     assert llm.compile_s is not None and llm.compile_s > 0
     outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     check_against_reference(outs, reference[:24], (prompts, max_tokens))

@@ -66,9 +66,38 @@ class StaticDecodeStep:
         )
         self._key_pos = torch.arange(blocks * bs)
 
+    @classmethod
+    def over(
+        cls,
+        cache: PagedKVCache,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        table: torch.Tensor,
+        mask: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> StaticDecodeStep:
+        """A step over the given buffers (``table`` as ``[rows, blocks]``): what a step compiled
+        ahead of time receives as its inputs (:mod:`llmlib.runtime.aot`)."""
+        step = cls.__new__(cls)
+        rows, blocks = table.shape
+        step.cache, step.ids, step.num_rows, step.num_blocks = cache, ids, rows, blocks
+        zeros = torch.zeros_like(lens)
+        rows_ix = torch.arange(rows, device=ids.device)
+        group = DecodeGroup(zeros, rows_ix, table.reshape(-1), blocks, mask, lens)
+        step.layout = StepLayout(positions, write_slots, None, [], [group])
+        return step
+
     @property
     def positions(self) -> torch.Tensor:
         return self.layout.positions
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The step's buffers in the order :meth:`over` takes them (after the pool)."""
+        g = self.layout.decodes[0]
+        table = g.table.view(self.num_rows, self.num_blocks)
+        return self.ids, self.layout.positions, self.layout.write_slots, table, g.mask, g.lens
 
     def attend(
         self,

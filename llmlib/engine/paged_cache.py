@@ -68,9 +68,7 @@ class PagedKVCache:
         # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
-        self.kernel = serves_pool(
-            self.k[0]
-        )  # decode by llmlib.kernels.paged_attention (False: not)
+        self.kernel = serves_pool(self.k[0])  # decode by llmlib.kernels.paged_attention
 
     @property
     def bytes_per_block(self) -> int:
@@ -211,7 +209,7 @@ def paged_attend(
     fast = cache.kernel and serves_spec(spec)
     window = spec.window
     for g in layout.decodes:
-        n = len(g.rows)
+        n = g.rows.shape[0]  # (not len(): a symbolic size must stay one)
         if fast and g.lens is not None:  # straight out of the pool, one pass
             qd, table = q[g.rows, :, g.cols], g.table.view(n, -1)  # qd [n, H, D]; [n, blocks]
             o = decode_attention(

@@ -10,6 +10,8 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 from __future__ import annotations
 
 import functools
+import sys
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -55,15 +57,12 @@ class ModelRunner:
 
             model = row_tiled(model, ROW_TILE)
         self.model = model
-        forward = self._forward_rows
         if compile:
             if batch_invariant or self.device.type != "cpu":
                 why = "the batch-invariant mode fixes its own kernels" if batch_invariant else (
                     "on CUDA the decode steps replay CUDA graphs"
                 )  # fmt: skip
                 raise ValueError(f"compile=True compiles the CPU engine's decode steps: {why}")
-            self._compiled = compile_engine_step(model)  # shared by every engine on the model
-            forward = functools.partial(self._compiled, model)
             cuda_graphs = True  # the fixed-shape steps, run (not captured) by the compiled graph
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
@@ -78,6 +77,12 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
         )
+        forward = self._forward_rows
+        self.compile_s: float | None = None
+        #: which all-decode step runs: "eager", or the compiled one and where it came from
+        self.decode_path = "eager"
+        if compile:
+            forward = self._compiled_forward()
         self.graphs: PagedDecodeGraphs | None = None
         if cuda_graphs:
             max_len = max_model_len or cfg.max_seq_len
@@ -92,12 +97,30 @@ class ModelRunner:
             )
         self.forward_passes = 0
 
-    def compile_now(self, rows: int) -> float:
-        """Compile the decode step (``compile=True``) on an all-padding step of ``rows`` rows
-        (inductor tunes its matrix kernels for the rows it first sees); seconds it took."""
-        import sys
-        import time
+    def _compiled_forward(self):
+        """The compiled all-decode step: from the disk cache (compiled and stored there first,
+        if need be) for a model loaded from a file (:func:`llmlib.engine.compiled.load_engine_step`),
+        else one ``torch.compile`` graph in memory, shared by every engine on the model."""
+        from llmlib.engine.compiled import load_engine_step
+        from llmlib.runtime.aot import print_progress
 
+        self._compiled = None
+        t0 = time.perf_counter()
+        forward, cached = load_engine_step(self.model, self.cache, log=print_progress)
+        if forward is not None:
+            self.compile_s = None if cached else time.perf_counter() - t0
+            self.decode_path = "compiled (from the cache)" if cached else "compiled (now, cached)"
+            return forward
+        self._compiled = compile_engine_step(self.model)
+        self.decode_path = "compiled (in memory)"
+        return functools.partial(self._compiled, self.model)
+
+    def compile_now(self, rows: int) -> float | None:
+        """Compile the decode step (``compile=True``) now, before any request waits; the seconds
+        compiling took (None: loaded from the disk cache). In memory, on an all-padding step of
+        ``rows`` rows (inductor tunes its matrix kernels for the rows it first sees)."""
+        if self._compiled is None:  # ahead of time: compiled (or loaded) already
+            return self.compile_s
         if not getattr(self._compiled, "warm", False):  # another engine on the model compiled it
             print(
                 "llmlib: compiling the engine's decode step (minutes on a small CPU)...",

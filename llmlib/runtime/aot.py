@@ -126,30 +126,49 @@ def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_decode_step(model: nn.Module, log: Callable[[str], None] | None = None):
-    """``step(model, ids, positions, cache)`` for ``model``'s one-request decode, from its package
-    on disk (compiled and stored first if there is none), or None where the model has no key or
-    this step cannot be compiled ahead of time here (the caller compiles in memory). The second
-    value says whether it came from the disk: ``(step, cached)``."""
-    key = step_key(model, "decode")
+def load_step(
+    model: nn.Module,
+    kind: str,
+    wrapper: nn.Module,
+    compile: Callable[[Path], None],
+    log: Callable[[str], None] | None = None,
+):
+    """``wrapper``'s package for ``model`` loaded from disk, compiled first by ``compile(path)``
+    if there is none: ``(loaded, cached)``, or ``(None, False)`` where the model has no key or the
+    step cannot be compiled ahead of time here (the caller then compiles in memory). The loaded
+    step reads the model's own tensors (``user_managed``): no copy of the weights."""
+    key = step_key(model, kind)
     if key is None:
         return None, False
-    path = cache_dir() / f"decode-{key}.pt2"
-    wrapper = _DecodeStep(model)
+    path = cache_dir() / f"{kind}-{key}.pt2"
     cached = path.exists()
     load_kernels()  # a package calls llmlib's C++ operators by name: register them first
     try:
         if not cached:
-            _compile(wrapper, model, path, log)
+            compile(path)
         loaded = torch._inductor.aoti_load_package(str(path))
-        names = loaded.get_constant_fqns()
         consts = _constants(wrapper)
+        names = loaded.get_constant_fqns()
         loaded.load_constants(
             {n: consts[n] for n in names}, check_full_update=True, user_managed=True
         )
     except Exception as e:  # an op or layout AOTInductor cannot take here: compile in memory
         if log is not None:
-            log(f"llmlib: this decode step cannot be compiled ahead of time here ({e!s:.200})")
+            log(f"llmlib: this step ({kind}) cannot be compiled ahead of time here ({e!s:.200})")
+        return None, False
+    return loaded, cached
+
+
+def load_decode_step(model: nn.Module, log: Callable[[str], None] | None = None):
+    """``step(model, ids, positions, cache)`` for ``model``'s one-request decode, from its package
+    on disk (compiled and stored first if there is none), or None where the model has no key or
+    this step cannot be compiled ahead of time here (the caller compiles in memory). The second
+    value says whether it came from the disk: ``(step, cached)``."""
+    wrapper = _DecodeStep(model)
+    loaded, cached = load_step(
+        model, "decode", wrapper, lambda path: _compile(wrapper, model, path, log), log
+    )
+    if loaded is None:
         return None, False
 
     def step(m: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: Any):
@@ -168,11 +187,19 @@ def _compile(wrapper: _DecodeStep, model: nn.Module, path: Path, log) -> None:
     kv = [*cache.k, *cache.v]
     slots = torch.export.Dim("slots", min=16, max=max(cfg.max_seq_len, 32))
     shapes = {"ids": None, "positions": None, "kv": tuple({2: slots} for _ in kv)}
+    export_and_package(wrapper, model, (ids, pos, *kv), shapes, path, log, "the decode step")
+
+
+def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str) -> None:
+    """Trace ``wrapper`` with ``torch.export`` and compile it into a package at ``path``
+    (written beside and renamed, so a crash never leaves half a package to be found)."""
     t0 = time.perf_counter()
     if log is not None:
-        log(f"llmlib: compiling the decode step for this machine, once ({expected(model)})...")
-    with torch.inference_mode(False), torch.no_grad():
-        ep = torch.export.export(wrapper, (ids, pos, *kv), dynamic_shapes=shapes, strict=False)
+        log(f"llmlib: compiling {what} for this machine, once ({expected(model, what)})...")
+    import torch.fx.experimental._config as fx_config
+
+    with torch.inference_mode(False), torch.no_grad(), fx_config.patch(use_duck_shape=False):
+        ep = torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
         torch._inductor.aoti_compile_and_package(
@@ -181,28 +208,28 @@ def _compile(wrapper: _DecodeStep, model: nn.Module, path: Path, log) -> None:
             inductor_configs={"aot_inductor.package_constants_in_so": False},
         )
     tmp.replace(path)
-    _remember_time(model, time.perf_counter() - t0)
+    _remember_time(model, what, time.perf_counter() - t0)
 
 
 def _times() -> Path:
     return cache_dir() / "compile_seconds.json"
 
 
-def _remember_time(model: nn.Module, seconds: float) -> None:
+def _remember_time(model: nn.Module, what: str, seconds: float) -> None:
     try:
         known = json.loads(_times().read_text()) if _times().exists() else {}
     except (OSError, ValueError):
         known = {}
-    known[getattr(model, "weight_format", "")] = round(seconds, 1)
+    known[f"{what}: {getattr(model, 'weight_format', '')}"] = round(seconds, 1)
     _times().write_text(json.dumps(known))
 
 
-def expected(model: nn.Module) -> str:
-    """What the compile is expected to take here: the last one's time for this format, else a
-    rough figure."""
+def expected(model: nn.Module, what: str) -> str:
+    """What the compile is expected to take here: the last one's time for this step and format,
+    else a rough figure."""
     try:
         known = json.loads(_times().read_text())
-        s = known.get(getattr(model, "weight_format", ""))
+        s = known.get(f"{what}: {getattr(model, 'weight_format', '')}")
         if s:
             return f"about {s:.0f} s, as last time"
     except (OSError, ValueError):
