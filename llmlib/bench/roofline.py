@@ -27,6 +27,7 @@ from llmlib.analysis.roofline import Roof, fmt_si, measure_machine, phase, predi
 from llmlib.config import ModelConfig, get_config
 from llmlib.device import time_fn, timings
 from llmlib.dtypes import canonical
+from llmlib.kernels.modules import parameter_count
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ def run(
     )
     skeleton = random_model(overhead_model(small.config), device=dev, dtype=model_dtype)
     bd = decode_breakdown(small, skeleton, context, reps=5 if quick else 9)
-    params = sum(p.numel() for p in small.parameters())
+    params = parameter_count(small)
     del small
 
     big_cfg = get_config(large)

@@ -50,3 +50,10 @@ class PackedEmbedding(TokenEmbedding):
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         return self.weight.linear(h)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """How many weights ``model`` holds, each stored matrix counted by its shape (its codes and
+    scales are buffers of other sizes), a tied table once."""
+    packed = sum(m.shape.numel() for m in model.modules() if isinstance(m, PackedWeight))
+    return packed + sum(p.numel() for p in model.parameters())
