@@ -83,6 +83,7 @@ def load_model(
     *,
     group_size: int = 32,
     progress: bool | None = None,
+    plain: bool = False,
 ) -> Transformer:
     """Load a Hugging Face folder or a ``.gguf`` file as a :class:`Transformer` in eval mode.
 
@@ -94,6 +95,8 @@ def load_model(
     activations' (bfloat16 by default where the kernels are fast, :func:`llmlib.device.pick_dtype`).
     Each matrix is read from the file when it is packed, so the float weights of a quantized
     model never exist whole (``progress``: a bar per matrix, by default for files over a GB).
+    ``plain=True`` keeps float matrices as ordinary ``nn.Linear`` weights (the model as the
+    chapters build it) instead of this machine's fastest layouts.
     """
     path = Path(path).expanduser()
     if quantization == "gguf" and path.suffix != ".gguf":
@@ -125,6 +128,7 @@ def load_model(
             group_size=group_size,
             blocks=blocks,
             progress=progress,
+            plain=plain,
         )
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
@@ -148,6 +152,7 @@ def build_model(
     group_size: int = 32,
     blocks: dict[str, Any] | None = None,
     progress: bool = False,
+    plain: bool = False,
 ) -> Transformer:
     """Check ``state`` (llmlib names; tensors, or lazy ones read when needed) against ``cfg`` and
     return a model holding exactly those weights, each matrix stored for this machine
@@ -196,7 +201,7 @@ def build_model(
         mats = [materialize(state[k]) for k in keys]
         return mats[0] if len(mats) == 1 else torch.cat(mats)
 
-    fmt = Format(place.device, place.dtype, quantization, group_size)
+    fmt = Format(place.device, place.dtype, quantization, group_size, plain)
     prepare(model, fmt, source, describe=describe, progress=progress)
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     return model.eval()

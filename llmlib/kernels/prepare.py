@@ -75,12 +75,15 @@ Source = torch.Tensor | ChannelCodes | GroupCodes | Rows
 class Format:
     """How a model's weights are held: on ``device``, computing in ``dtype`` (the activations',
     and the dense weights'), and ``quantization`` None, ``"int8"``, ``"int4"`` (``group_size``
-    weights per scale) or ``"gguf"`` (the file's own blocks, as codes)."""
+    weights per scale) or ``"gguf"`` (the file's own blocks, as codes). ``plain``: float matrices
+    stay ordinary ``nn.Linear`` weights and norms stay the book's RMSNorm, as the chapters build
+    the model (no layout of this machine's kernels)."""
 
     device: torch.device
     dtype: torch.dtype
     quantization: str | None = None
     group_size: int = 32
+    plain: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -154,7 +157,7 @@ def pack_dense(name: str, w: torch.Tensor, fmt: Format) -> PackedWeight | torch.
     """A float matrix in the layout its products run fastest in here (a plain tensor where
     PyTorch's own product is that)."""
     w = w.to(device=fmt.device, dtype=fmt.dtype)
-    if fmt.device.type != "cpu":
+    if fmt.device.type != "cpu" or fmt.plain:
         return w
     if fmt.dtype == torch.float32:
         one_row = w.shape[1] % 16 == 0 and w.is_contiguous() and matvec.available()
@@ -239,6 +242,7 @@ def prepare(
         if fmt.device.type == "cpu"
         and fmt.dtype == torch.float32
         and fmt.quantization is None
+        and not fmt.plain
         and isinstance(m.weight, torch.Tensor)
         and (n != "embed" or tied)
     ]
@@ -328,7 +332,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _fuse_norms(model: nn.Module, fmt: Format) -> None:
-    if fmt.device.type != "cpu" or not fused_norm.available():
+    if fmt.device.type != "cpu" or fmt.plain or not fused_norm.available():
         return
     for name, mod in list(model.named_modules()):
         if type(mod) is RMSNorm and not mod.offset:
