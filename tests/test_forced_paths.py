@@ -1,0 +1,230 @@
+"""Every fast path this machine can execute, forced one choice at a time, against its reference.
+
+A choice that depends on the CPU (which C++ build runs, integer products on or off, the one-row
+kernel, oneDNN's float32 copy, bfloat16 layouts, the fused norm, the paged decode kernel) is made
+once, in :mod:`llmlib.kernels.flags`. :func:`llmlib.kernels.flags.paths` lists each choice this
+machine can run, flipped from its default one at a time; here each is forced in turn and every
+format runs under it: the batch-1 generator, the batching engine, and their compiled steps. So a
+path another class of CPU takes by default (an AVX2 EPYC runs the ``isa="avx2"`` build, the
+integer products by AVX2 and oneDNN's float32 copy) is checked here too.
+
+The model is small and random (weights of a trained model's scale, its LM head scaled up so the
+next token wins by a clear margin). Each path's logits must lie within its format's rounding of
+the plain path's; float formats must give the plain path's greedy tokens; and under each path the
+engine, the compiled generator and the compiled engine must give the eager generator's tokens
+(the same kernels, called another way: the AVX2 machine's compiled float32 garbage was that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_gguf import random_hf_weights, write_gguf
+
+import llmlib
+from llmlib.config import ModelConfig
+from llmlib.kernels.flags import flags, forced, paths
+
+CFG = ModelConfig(
+    name="forced",
+    vocab_size=256,
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=256,
+    max_seq_len=256,
+    rope_theta=10_000.0,
+    norm_eps=1e-6,
+    tie_embeddings=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+#: format -> (dtype, quantization, which file)
+FORMATS = {
+    "float32": ("float32", None, "f32"),
+    "bfloat16": ("bfloat16", None, "f32"),
+    "int8": (None, "int8", "f32"),
+    "int4": (None, "int4", "f32"),
+    "gguf": (None, "gguf", "q4"),
+}
+PROMPTS = [[5, 9, 11, 3, 7], [40, 41, 42] * 5, [200, 17], [9] * 23]
+NEW = 10
+
+PATHS = paths()
+
+
+def _name(p: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in p.items()) or "default"
+
+
+def _ran_apart(request, path: dict) -> bool:
+    """Another C++ build registers the same operators under the same names, and a process can
+    hold only one: a path that changes the build runs in a process of its own, forced there by
+    the environment (``Flags.as_env``). True where this call ran the test that way."""
+    if "isa" not in path or os.environ.get("FORCED_PATHS_CHILD"):
+        return False
+    env = {**os.environ, **dataclasses.replace(flags(), **path).as_env(), "FORCED_PATHS_CHILD": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
+    run = subprocess.run(
+        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    return True
+
+
+class Tok:
+    """Token i is the byte i."""
+
+    eos_id = bos_id = None
+    vocab_size = CFG.vocab_size
+    special_tokens: dict = {}
+
+    def id_to_bytes(self, i: int) -> bytes:
+        return bytes([i])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("forced")
+    w = {k: v * (0.1 if v.ndim == 2 else 1.0) for k, v in random_hf_weights(CFG, seed=11).items()}
+    w["lm_head.weight"] = (w["lm_head.weight"] * 40.0).astype(np.float32)  # peaked: see above
+    return {
+        "f32": write_gguf(d / "f32.gguf", CFG, w),
+        # 4-bit blocks with an 8-bit LM head: one file of mixed types, as Q4_K_M files are
+        "q4": write_gguf(d / "q4.gguf", CFG, w, T.Q4_1, types={"output.weight": T.Q8_0}),
+    }
+
+
+def _load(files: dict[str, Path], fmt: str):
+    dtype, q, which = FORMATS[fmt]
+    return llmlib.load_model(files[which], "cpu", dtype, q)
+
+
+def _tokens(model) -> list[list[int]]:
+    gen = llmlib.Generator(model, Tok())
+    return [gen.generate(p, max_new_tokens=NEW, ignore_eos=True).token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(files) -> dict[str, tuple[list[list[int]], torch.Tensor]]:
+    """Each format's greedy tokens and logits on the plainest path (quantized formats compute in
+    float32 throughout this file: bfloat16 activations would add rounding that batched and
+    one-row products do differently, and hide nothing the checks here look for): PyTorch's own operators
+    (no C++ build, weight-only integer kernels with float activations, no oneDNN copies)."""
+    out = {}
+    plain = dict(isa="none", integer="off", matvec=False, fused_norm=False, paged_kernel=False)
+    with forced(**plain, onednn_float32=False, onednn_bfloat16=False, activations="float32"):
+        for fmt in FORMATS:
+            m = _load(files, fmt)
+            out[fmt] = (_tokens(m), m(torch.tensor([PROMPTS[1]])).float())
+    return out
+
+
+#: how far a fast path's logits may be from the plain path's, as a share of the logits' spread
+#: (the integer kernels also round the activations to int8, in blocks of 32, as llama.cpp does)
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05, "int8": 0.15, "int4": 0.15, "gguf": 0.15}
+FLOAT = ("float32", "bfloat16")
+
+
+def _engine_tokens(m, **kw):
+    llm = llmlib.LLM(m, Tok(), num_blocks=64, block_size=4, max_num_seqs=4, **kw)
+    params = llmlib.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_name)
+def test_every_format_under_a_forced_path(request, files, reference, path) -> None:
+    """Eager, in every format: logits within the format's rounding of the plain path's, a float
+    format's greedy tokens equal to the plain path's, and the batching engine's tokens equal to
+    the batch-1 generator's under the same path."""
+    if _ran_apart(request, path):
+        return
+    with forced(**path, activations="float32"):
+        for fmt in FORMATS:
+            m = _load(files, fmt)
+            tokens, logits = reference[fmt]
+            got = m(torch.tensor([PROMPTS[1]])).float()
+            err = (got - logits).abs().max().item() / logits.std().item()
+            assert err < TOLERANCE[fmt], (fmt, _name(path), err)
+            mine = _tokens(m)
+            if fmt in FLOAT:
+                assert mine == tokens, (fmt, _name(path), "generator")
+            assert _engine_tokens(m)[0] == mine, (fmt, _name(path), "engine")
+
+
+#: the compiled steps, where their code differs from the default's (tests/test_aot.py compiles the
+#: default float32 steps): another C++ build (the AVX2 machine's), oneDNN's float32 copy (the
+#: AVX2 machine's default, and its compiled float32 garbage), PyTorch's integer kernels
+COMPILED = [
+    (fmt, p)
+    for p in PATHS
+    for fmt in ("float32", "gguf")
+    if (fmt == "float32" and (p.get("isa") == "avx2" or "onednn_float32" in p))
+    or (fmt == "gguf" and (not p or p.get("isa") == "avx2" or p == {"integer": "off"}))
+]
+
+
+@pytest.fixture(scope="module")
+def package_cache() -> Path:
+    """Where the compiled packages go: kept between runs (a package is found again by the key
+    of its file, which the fixture writes the same each time), so a second run loads them."""
+    return flags().cache / "test-forced-paths"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "path"), COMPILED, ids=lambda v: v if isinstance(v, str) else _name(v)
+)
+def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt, package_cache):
+    """The compiled steps the CLI and the server run by default (from a package on disk), under
+    each forced path: the eager generator's greedy tokens, batch 1 and batched."""
+    if _ran_apart(request, path):
+        return
+    with forced(cache=package_cache), forced(**path, activations="float32"):
+        m = _load(files, fmt)
+        tokens = _tokens(m)
+        if fmt in FLOAT:
+            assert tokens == reference[fmt][0]
+        gen = llmlib.Generator(m, Tok(), compile=True)
+        assert gen.decode_path.startswith("compiled"), gen.decode_path
+        got = [gen.generate(p, max_new_tokens=NEW, ignore_eos=True).token_ids for p in PROMPTS]
+        assert got == tokens, (fmt, _name(path), "compiled generator")
+        got, llm = _engine_tokens(m, compile=True)
+        assert llm.runner.decode_path.startswith("compiled"), llm.runner.decode_path
+        assert got == tokens, (fmt, _name(path), "compiled engine")
+        assert llm.runner.graphs.static_steps > 0
+
+
+def test_the_paths_cover_every_switch_this_machine_has() -> None:
+    """Each choice is flipped in some path, and each lower C++ build is forced, so no fast path
+    goes untested on a machine that can run it."""
+    f = flags()
+    flipped = {k for p in PATHS for k in p}
+    assert {"integer", "paged_kernel", "onednn_float32", "onednn_bfloat16"} <= flipped
+    if f.isa != "none":
+        assert {"isa", "matvec"} <= flipped
+    if f.isa == "avx512":
+        assert "fused_norm" in flipped
+        assert {p.get("isa") for p in PATHS} >= {"avx2", "none"}
+
+
+def test_a_plain_model_is_the_books_and_computes_the_same(files) -> None:
+    """``load_model(..., plain=True)``: every matrix an ``nn.Linear`` weight and the book's
+    RMSNorm (what the chapters show), with the prepared model's logits."""
+    from llmlib.model.norm import RMSNorm
+
+    plain = llmlib.load_model(files["f32"], "cpu", "float32", plain=True)
+    fast = llmlib.load_model(files["f32"], "cpu", "float32")
+    assert type(plain.layers[0].attn.wqkv) is torch.nn.Linear
+    assert all(type(m) is RMSNorm for n, m in plain.named_modules() if n.endswith("norm"))
+    assert isinstance(plain.embed.weight, torch.nn.Parameter)
+    ids = torch.tensor([PROMPTS[1]])
+    torch.testing.assert_close(plain(ids), fast(ids), rtol=1e-4, atol=1e-4)
