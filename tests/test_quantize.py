@@ -140,8 +140,8 @@ Q4_K_M = {
 def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
     """q/k in Q4_K with v in Q6_K fuse into one exact 8-bit matrix in groups of 16; gate/up (both
     Q4_K) stay 4-bit codes for the int4 kernels. Loading the file with quantization="gguf"
-    packs those; the 8-bit ones, which no kernel multiplies yet, stay dense, with the file's
-    values: the model computes what the float32 reading of the file computes."""
+    packs those; under PyTorch's kernels (integer products off) the 8-bit ones stay dense, with
+    the file's values: the model computes what the float32 reading of the file computes."""
     path = write_gguf(
         tmp_path / "m.gguf", WIDE, random_hf_weights(WIDE, seed=5), T.Q4_K, types=Q4_K_M
     )
@@ -165,10 +165,11 @@ def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
         assert torch.allclose(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
 
 
-def test_gguf_q8_0_table_stays_dense_in_a_q4_1_file(tmp_path: Path) -> None:
+def test_gguf_q8_0_table_packs_for_the_8_bit_group_kernel(tmp_path: Path) -> None:
     """SmolLM2's file: Q4_1 matrices and a Q8_0 tied embedding table. Its codes are exact 8-bit
-    codes now (no per-row re-quantization); until a kernel multiplies 8-bit group codes the
-    table stays a dense matrix holding the file's values."""
+    codes (no per-row re-quantization). PyTorch has no kernel for 8-bit codes in groups, so the
+    table is stored for llmlib's (``int8g_linear``) where the integer kernels run, and stays a
+    dense matrix holding the file's values where they do not."""
     cfg = TINY.replace(tie_embeddings=True)
     weights = random_hf_weights(cfg, seed=3)
     weights.pop("lm_head.weight", None)
@@ -182,9 +183,14 @@ def test_gguf_q8_0_table_stays_dense_in_a_q4_1_file(tmp_path: Path) -> None:
     assert torch.equal(table.dequantize(), state["embed.weight"])
     with pytest.raises(ValueError, match="PyTorch has no kernel for 8-bit codes in groups"):
         pack(table, torch.float32, "cpu")
+    with forced(integer="off"):
+        dense = llmlib.load_model(path, "cpu", torch.float32, "gguf")
+    assert not isinstance(dense.embed.weight, PackedWeight)
+    assert torch.equal(dense.embed.weight, state["embed.weight"])
     model = llmlib.load_model(path, "cpu", torch.float32, "gguf")
-    assert not isinstance(model.embed.weight, PackedWeight)
-    assert torch.equal(model.embed.weight, state["embed.weight"])
+    if vnni.available():
+        assert isinstance(model.embed.weight, vnni.VnniInt8GroupWeight)
+        assert torch.equal(model.embed.weight.dequantize(), state["embed.weight"])
     assert isinstance(model.layers[0].ffn.w_gate_up.weight, PackedWeight)
 
 

@@ -1,4 +1,4 @@
-"""The integer int8/int4 kernels (llmlib.kernels.integer): layouts, products against the same
+"""The integer int8/int4/8-bit-group kernels (llmlib.kernels.integer): layouts, products against the same
 arithmetic in float64, the rows of a tied table, and a model stored for them at load."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from test_gguf import TINY
 from llmlib.kernels import integer as vnni
 from llmlib.kernels import native
 from llmlib.kernels.flags import forced
-from llmlib.kernels.prepare import quantize_model, weight_matrices
+from llmlib.kernels.prepare import Format, pack_codes, quantize_model, weight_matrices
 from llmlib.kernels.weights import Int4Weight, Int8Weight
 from llmlib.model import random_model
-from llmlib.quantize import quantize_int4, quantize_int8
+from llmlib.quantize import GroupCodes, quantize_int4, quantize_int8
 
 needs_kernels = pytest.mark.skipif(
     not vnni.available(), reason="no AVX-512 VNNI or AVX2 here (or no compiler): PyTorch's serve"
@@ -22,6 +22,19 @@ needs_kernels = pytest.mark.skipif(
 
 def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def _codes8(n: int, k: int, group: int, seed: int = 0, half: bool = False) -> GroupCodes:
+    """8-bit codes in groups, as a GGUF file's are once repacked: every code 0..255, a scale and
+    an offset per group; ``half``: constants float16 holds exactly (Q8_0's, Q5_1's), else ones it
+    does not (Q6_K's multiplied-out scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    zero = torch.randn(n, k // group, generator=gen) * 0.05
+    if half:
+        scale, zero = scale.half().float(), zero.half().float()
+    return GroupCodes(q, scale, zero, group, bits=8)
 
 
 def test_int8_tiles_read_back_to_the_codes() -> None:
@@ -46,9 +59,21 @@ def test_int4_tiles_read_back_to_the_codes() -> None:
     assert tiles[0, 0].item() == q[0, 0].item() | q[0, 4].item() << 4
 
 
+def test_int8_group_tiles_read_back_to_the_codes() -> None:
+    codes = _codes8(128, 96, 32)
+    tiles = vnni.pack_uint8(codes.q)
+    # the same tiles as int8's: the codes already carry the + 128
+    assert torch.equal(tiles, vnni.pack_int8((codes.q.to(torch.int16) - 128).to(torch.int8)))
+    ids = torch.tensor([[0, 63], [64, 127]])
+    assert torch.equal(vnni.unpack_int8(tiles, 96, ids), (codes.q[ids].int() - 128).to(torch.int8))
+
+
 def test_shapes_that_fit() -> None:
     assert vnni.fits((576, 1536)) and vnni.fits((960, 576), 32) and vnni.fits((3072, 576), 64)
     assert not vnni.fits((80, 64)) and not vnni.fits((128, 48)) and not vnni.fits((128, 64), 16)
+    # 8-bit codes also come in groups of 16 (Q6_K, Q3_K, Q2_K): two to an activation block
+    assert vnni.fits((128, 64), 16, bits=8) and vnni.fits((49152, 576), 32, bits=8)
+    assert not vnni.fits((128, 64), 8, bits=8) and not vnni.fits((128, 96), 64, bits=8)
 
 
 def _round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +126,63 @@ def test_int4_kernel_is_its_arithmetic(group) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "group, dtype",
+    [
+        (32, torch.float32),
+        (32, torch.bfloat16),
+        (16, torch.float32),
+        (16, torch.bfloat16),
+        (64, torch.float32),
+    ],
+)
+def test_int8_group_kernel_is_its_arithmetic(group, dtype) -> None:
+    n, k, rows = 192, 160 if group != 64 else 192, 5
+    half = group == 32  # Q8_0's float16 constants; the others' float32 ones
+    codes = _codes8(n, k, group, seed=group, half=half)
+    w = vnni.VnniInt8GroupWeight(codes, dtype)
+    assert w.d.dtype == (torch.float16 if half else torch.float32) and w.m.dtype == w.d.dtype
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    xq, dx = _round_rows(x)
+    wq = codes.dequantize().double()  # the constants as stored: exactly, in either dtype
+    want = torch.einsum(
+        "mbi,nbi,mb->mn", xq.double().view(rows, -1, 32), wq.view(n, -1, 32), dx.double()
+    )
+    got = w.linear(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # and close to the float product of the weights: the activations' rounding only
+    ref = x.double() @ wq.T
+    assert (got.double() - ref).norm() / ref.norm() < 2e-2
+    # rows() reads back what the kernel multiplies (the embedding lookup of a tied table)
+    ids = torch.tensor([[0, 77], [191, 64]])
+    assert torch.equal(w.rows(ids), codes.dequantize()[ids].to(dtype))
+    assert torch.equal(w.dequantize(), codes.dequantize().to(dtype))
+
+
+@needs_kernels
+def test_8_bit_group_codes_pack_for_the_kernel() -> None:
+    for group in (32, 16):
+        codes = _codes8(128, 64, group)
+        w = vnni.pack(codes, torch.bfloat16)
+        assert isinstance(w, vnni.VnniInt8GroupWeight) and w.label == f"int8 g{group} vnni"
+        fmt = Format(torch.device("cpu"), torch.bfloat16, "gguf")
+        assert isinstance(pack_codes(codes, fmt, rows=True), vnni.VnniInt8GroupWeight)
+    # a byte a weight, and a Q8_0 block's constants in float16: little more than half the bytes
+    # of the dense bfloat16 matrix this replaces
+    q8_0 = vnni.pack(_codes8(128, 64, 32, half=True), torch.bfloat16)
+    assert q8_0.d.dtype == torch.float16 and q8_0.nbytes == 128 * 64 + 2 * 128 * 2 * 2
+    # a shape the tiles do not fit stays dense, as before
+    assert vnni.pack(_codes8(80, 64, 32), torch.bfloat16) is None
+    with forced(integer="off"):
+        dense = pack_codes(
+            _codes8(128, 64, 32), Format(torch.device("cpu"), torch.bfloat16, "gguf")
+        )
+    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
+
+
+@needs_kernels
 def test_dtype_moves_change_the_activations_only() -> None:
     w = vnni.VnniInt8Weight(quantize_int8(_w(64, 64)), torch.float32)
     w.to(torch.bfloat16)
@@ -113,10 +195,14 @@ def test_dtype_moves_change_the_activations_only() -> None:
 
 @needs_kernels
 def test_kernels_inside_torch_compile() -> None:
-    w = vnni.VnniInt4Weight(quantize_int4(_w(64, 64), 32), torch.float32)
     x = torch.randn(2, 64)
-    f = torch.compile(lambda t: torch.relu(w.linear(t)), backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(f(x), torch.relu(w.linear(x)))
+    w4 = vnni.VnniInt4Weight(quantize_int4(_w(64, 64), 32), torch.float32)
+    w8g = vnni.VnniInt8GroupWeight(_codes8(64, 64, 16), torch.float32)
+    for w in (w4, w8g):
+        f = torch.compile(
+            lambda t, w=w: torch.relu(w.linear(t)), backend="aot_eager", fullgraph=True
+        )
+        torch.testing.assert_close(f(x), torch.relu(w.linear(x)))
 
 
 @needs_kernels
@@ -162,8 +248,9 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     # rows go through the kernels in pairs, the last one alone: the same sums in the same order
     w8 = vnni.VnniInt8Weight(quantize_int8(_w(128, 96)), torch.bfloat16)
     w4 = vnni.VnniInt4Weight(quantize_int4(_w(128, 96), 32), torch.bfloat16)
+    w8g = [vnni.VnniInt8GroupWeight(_codes8(128, 96, g), torch.bfloat16) for g in (32, 16)]
     x = torch.randn(5, 96).to(torch.bfloat16)
-    for w in (w8, w4):
+    for w in (w8, w4, *w8g):
         batch = w.linear(x)
         for i in range(5):
             assert torch.equal(w.linear(x[i : i + 1])[0], batch[i])
@@ -190,4 +277,4 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith("6 passed") and "skipped" not in last, run.stdout[-2000:]
+    assert last.startswith("11 passed") and "skipped" not in last, run.stdout[-2000:]

@@ -20,17 +20,20 @@ PyTorch's weight-only layouts instead, the reference the tests compare these wit
 
 The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), compiled once per machine by
 ``torch.utils.cpp_extension`` into its cache and loaded as the operators
-``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear``. They run where all of this holds: a CPU
-with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler, output widths
-that are multiples of 64 and input widths (and int4 groups) that are multiples of 32 (real
-models' are), and ``LLMLIB_INTEGER`` not set to ``0``. Elsewhere a matrix keeps PyTorch's kernel,
-with the same numbers as before.
+``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear`` / ``int8g_linear``. They run where all of
+this holds: a CPU with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler,
+output widths that are multiples of 64 and input widths (and int4 groups) that are multiples of
+32 (real models' are; 8-bit groups may also be 16), and ``LLMLIB_INTEGER`` not set to ``0``.
+Elsewhere a matrix keeps PyTorch's kernel, with the same numbers as before (8-bit codes in groups,
+which PyTorch has no kernel for, then become a dense matrix).
 
 Layout (what :func:`pack_int8` / :func:`pack_int4` write): tiles of 64 output channels; inside a
 tile, for each group of four input columns, the 64 channels' four codes side by side, so one
 64-byte load holds four consecutive codes of 16 channels. int8 codes are stored plus 128 (the
 instruction's unsigned operand); int4 codes keep two groups of four columns per byte (low and
-high nibble), with each group's ``w = d * q + m`` constants in float16.
+high nibble), with each group's ``w = d * q + m`` constants in float16. 8-bit codes in groups
+(:class:`~llmlib.quantize.GroupCodes` with ``bits=8``: most GGUF block types once their constants
+are multiplied out) are int8's tiles with int4's per-group constants, ``w = d * (u - 128) + m``.
 """
 
 from __future__ import annotations
@@ -81,10 +84,16 @@ def available() -> bool:
     return which is not None and _load(which)
 
 
-def fits(shape: tuple[int, int], group_size: int | None = None) -> bool:
-    """Whether a ``[out, in]`` matrix (and int4 group size) has a VNNI layout."""
+def fits(shape: tuple[int, int], group_size: int | None = None, bits: int = 4) -> bool:
+    """Whether a ``[out, in]`` matrix (and its group size, of ``bits``-bit codes) has a VNNI
+    layout: groups are multiples of 32, or 16 for 8-bit codes (two to an activation block)."""
     n, k = shape
-    return n % TILE == 0 and k % BLOCK == 0 and (group_size is None or group_size % BLOCK == 0)
+    if n % TILE or k % BLOCK:
+        return False
+    if group_size is None:
+        return True
+    whole = group_size % BLOCK == 0 or (bits == 8 and group_size == BLOCK // 2)
+    return group_size > 0 and whole and k % group_size == 0
 
 
 def _register_fakes() -> None:
@@ -97,6 +106,10 @@ def _register_fakes() -> None:
     def _(x, w, d, m, group):
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
+    @torch.library.register_fake("llmlib_vnni::int8g_linear")
+    def _(x, w, d, m, group):
+        return x.new_empty(x.shape[0], w.shape[0] * TILE)
+
 
 # ---- packing ---------------------------------------------------------------------------------
 
@@ -104,8 +117,14 @@ def _register_fakes() -> None:
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 codes ``[N, K]`` -> tiles ``[N/64, K*64]`` uint8 (codes + 128, four columns of 64
     channels per 256 bytes)."""
-    n, k = q.shape
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return pack_uint8((q.to(torch.int16) + 128).to(torch.uint8))
+
+
+def pack_uint8(u: torch.Tensor) -> torch.Tensor:
+    """Codes already stored plus 128 (uint8 ``[N, K]``, as 8-bit :class:`GroupCodes` hold them)
+    -> :func:`pack_int8`'s tiles."""
+    n, k = u.shape
+    u = u.to(torch.uint8)
     return u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, k * TILE)
 
 
@@ -233,6 +252,52 @@ class VnniInt4Weight(_VnniWeight):
         return w.to(self.dtype)
 
 
+def _exact_half(c: torch.Tensor) -> bool:
+    """Whether float16 holds every value of ``c`` exactly (a GGUF block's own d and m do; Q6_K's
+    and the other k-quants' multiplied-out constants in general do not)."""
+    h = c.half()
+    return bool(torch.isfinite(h).all()) and torch.equal(h.float(), c.float())
+
+
+class VnniInt8GroupWeight(_VnniWeight):
+    """8-bit codes in groups (``bits=8`` :class:`GroupCodes`: GGUF's Q8_0, Q5_0, Q5_1, Q6_K, ...)
+    in int8's VNNI tiles, ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``.
+    The constants are float16 where that holds them exactly, else float32."""
+
+    kind = "int8 group vnni"
+
+    def __init__(self, codes: GroupCodes, dtype: torch.dtype) -> None:
+        if codes.bits != 8:
+            raise ValueError(f"{self.kind} holds 8-bit codes, got {codes.bits}-bit ones")
+        super().__init__(codes.shape)
+        self.group_size = codes.group_size
+        self.register_buffer("act", torch.empty(0, dtype=dtype))
+        self.register_buffer("w", pack_uint8(codes.q).contiguous())
+        # GroupCodes' convention is (q - 128) * scale + zero: d = scale, m = zero
+        d, m = codes.scale.float(), codes.zero.float()
+        const = torch.float16 if _exact_half(d) and _exact_half(m) else torch.float32
+        self.register_buffer("d", _tiles(d.to(const)).contiguous())
+        self.register_buffer("m", _tiles(m.to(const)).contiguous())
+
+    @property
+    def label(self) -> str:
+        return f"int8 g{self.group_size} vnni"
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmlib_vnni.int8g_linear(x, self.w, self.d, self.m, self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        q = unpack_int8(self.w, k, ids).float()  # u - 128
+        tiles = ids // TILE
+        lane = ids % TILE
+        d = self.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+        m = self.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+        w = q * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
+        return w.to(self.dtype)
+
+
 def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight | None:
     """``codes`` in this module's layout, multiplied in ``dtype`` activations, where the kernels
     run here and the shape fits; None elsewhere (the caller keeps PyTorch's layout)."""
@@ -242,4 +307,6 @@ def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight |
         return VnniInt8Weight(codes, dtype) if fits(codes.shape) else None
     if codes.bits == 4 and fits(codes.shape, codes.group_size):
         return VnniInt4Weight(codes, dtype)
+    if codes.bits == 8 and fits(codes.shape, codes.group_size, bits=8):
+        return VnniInt8GroupWeight(codes, dtype)
     return None

@@ -21,6 +21,9 @@
 //         multiplies |q| by x carrying q's sign (at most 2 x 128 x 127), as llama.cpp does.
 //   int4: w[n, k] = d[n, g] * q[n, k] + m[n, g] for group g = k / group_size, q in 0..15; two
 //         groups of four columns share each 64-byte load (low and high nibbles).
+//   int8 in groups (GGUF's Q8_0, Q5_x, Q6_K, ... once their constants are multiplied out):
+//         w[n, k] = d[n, g] * (u[n, k] - 128) + m[n, g], u stored as for int8; groups of 16
+//         split each activation block in two halves, each summed and corrected on its own.
 //
 // Python (llmlib/vnni.py) packs the weights; tests/test_vnni.py checks each product against the
 // same arithmetic in float64.
@@ -312,6 +315,52 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
   }
 }
 
+// R rows of activations against one 8-bit group tile: y[r][0..64), w[n, k] = d[n, g] * (u[n, k] -
+// 128) + m[n, g] for group g = k / group, u stored as in int8_tile. `d` and `m` are this tile's
+// [K / group, 64] constants (float16, or float32 where float16 does not hold them exactly). The
+// integer sums run over S columns at a time: 32 (an activation block) for groups that are
+// multiples of 32, 16 for groups of 16, where each half of a block meets its own group's
+// constants and takes its own correction `sum` (the activation codes summed over those S columns).
+template <int R, int S, typename C, typename T>
+void int8g_tile(const uint8_t* w, const C* d, const C* m, int64_t group, const int8_t* xq,
+                const float* sx, const int32_t* sum, int64_t K, T* y, int64_t ldy) {
+  static_assert(QK % S == 0 && S % 4 == 0, "S columns divide an activation block");
+  const int64_t nb = K / QK, ns = K / S;
+  for (int j0 = 0; j0 < 4; j0 += J) {
+    F16 accf[R][J];
+    fill(accf, fzero());
+    for (int64_t s = 0; s < ns; ++s) {
+      I16 acc[R][J];
+      fill(acc, izero());
+      const uint8_t* ws = w + s * S * TILE;
+      for (int64_t g = 0; g < S / 4; ++g) {
+        I16 xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = broadcast4(xq + r * K + s * S + g * 4);
+        const uint8_t* wg = ws + g * 4 * TILE + j0 * 64;
+        for (int j = 0; j < J; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + j * 64 + PREFETCH), _MM_HINT_T0);
+          const I16 wv = iload(wg + j * 64);
+          for (int r = 0; r < R; ++r) acc[r][j] = dot_int8(acc[r][j], wv, xv[r]);
+        }
+      }
+      const int64_t b = s * S / QK, grp = s * S / group;
+      for (int j = 0; j < J; ++j) {
+        const F16 dv = fload(d + grp * TILE + (j0 + j) * 16);
+        const F16 mv = fload(m + grp * TILE + (j0 + j) * 16);
+        for (int r = 0; r < R; ++r) {
+          const float e = sx[r * nb + b];
+          const int32_t xs = sum[r * ns + s];
+          const F16 q = fmul(to_float(acc[r][j], INT8_OFFSET * xs), fset(e));  // e * sum q x
+          accf[r][j] = fmadd(q, dv, accf[r][j]);
+          accf[r][j] = fmadd(mv, fset(e * static_cast<float>(xs)), accf[r][j]);
+        }
+      }
+    }
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r) store16(y + r * ldy + (j0 + j) * 16, accf[r][j]);
+  }
+}
+
 // With many rows a tile is read from memory once and then from cache, once per pair of rows, so
 // the next tile is asked for a slice at a time while this one is worked on (before each pair):
 // the memory stream then runs under the arithmetic instead of between tiles.
@@ -431,14 +480,84 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   return y;
 }
 
+// one 8-bit group product, its types fixed: S columns per integer sum (16 or 32), constants C,
+// activations T; `sum` holds the activation codes' sums over every S columns, K / S per row
+template <int S, typename C, typename T>
+void int8g_run(const uint8_t* wp, const C* dp, const C* mp, int64_t group, const QuantizedRows& r,
+               const int32_t* sum, int64_t M, int64_t K, int64_t tiles, T* yp) {
+  const int64_t N = tiles * TILE, per_tile = (K / group) * TILE, nb = K / QK, ns = K / S;
+  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t) {
+      const uint8_t* wt = wp + t * K * TILE;
+      int64_t i = 0;
+      for (; i + 2 <= M; i += 2) {  // two rows share each load of the tile
+        if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE, K * TILE, i / 2, M / 2);
+        int8g_tile<2, S>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+                         r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+      }
+      if (i < M)
+        int8g_tile<1, S>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+                         r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+    }
+  });
+}
+
+// x [M, K] @ 8-bit group tiles [N / 64, K * 64] (uint8, int8_linear's layout) with d, m
+// [N / 64, K / group * 64] (both float16 or both float32) -> [M, N]; group 16 or a multiple of 32
+at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
+                        const at::Tensor& m, int64_t group) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "int8g_linear: expected contiguous uint8 tiles");
+  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / TILE;
+  TORCH_CHECK(group > 0 && K % QK == 0 && (group == 16 || group % QK == 0) && K % group == 0,
+              "int8g_linear: bad group size ", group, " for ", K, " columns");
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) &&
+                  m.scalar_type() == d.scalar_type() && d.is_contiguous() && m.is_contiguous() &&
+                  d.numel() == N * (K / group) && m.numel() == d.numel(),
+              "int8g_linear: bad constants");
+  check_input(x_, K, "int8g_linear");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows& r = quantize_rows(x);
+  thread_local std::vector<int32_t> halves;  // group 16: the codes' sums over each 16 columns
+  if (group == 16) {
+    halves.resize(M * (K / 16));
+    for (int64_t i = 0; i < M * (K / 16); ++i) {
+      int32_t s = 0;
+      for (int64_t c = 0; c < 16; ++c) s += r.q[i * 16 + c];
+      halves[i] = s;
+    }
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    auto run = [&](auto ctag) {
+      using C = decltype(ctag);
+      const C* dp = d.data_ptr<C>();
+      const C* mp = m.data_ptr<C>();
+      if (group == 16)
+        int8g_run<16>(wp, dp, mp, group, r, halves.data(), M, K, tiles, yp);
+      else
+        int8g_run<QK>(wp, dp, mp, group, r, r.sum.data(), M, K, tiles, yp);
+    };
+    if (d.scalar_type() == at::kHalf) run(at::Half{});
+    else run(float{});
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmlib_vnni, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
+  lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmlib_vnni, CPU, lib) {
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
+  lib.impl("int8g_linear", &int8g_linear);
 }
