@@ -197,7 +197,9 @@ def build_model(
                 return codes[name]
         if len(keys) == 1 and isinstance(state[keys[0]], LazyTensor):
             lazy = state[keys[0]]
-            return Rows(tuple(lazy.shape), lambda i, j: lazy[i:j].load())
+            # float rows rounded here: small slices, since rounding one takes several times its bytes
+            chunk = 1024 if quantization in ("int8", "int4") else 4096
+            return Rows(tuple(lazy.shape), lambda i, j: lazy[i:j].load(), chunk)
         mats = [materialize(state[k]) for k in keys]
         return mats[0] if len(mats) == 1 else torch.cat(mats)
 

@@ -29,7 +29,7 @@ import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from llmlib.dtypes import QUANTIZATIONS
 from llmlib.kernels import integer, layout, matvec, onednn
 from llmlib.kernels import norm as fused_norm
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
+from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
 from llmlib.kernels.weights import (
     Float32Weight,
     Int4Weight,
@@ -48,23 +49,6 @@ from llmlib.kernels.weights import (
 from llmlib.model.embedding import TokenEmbedding
 from llmlib.model.norm import RMSNorm
 from llmlib.quantize import ChannelCodes, Codes, GroupCodes, quantize_int4, quantize_int8
-
-
-@dataclass(frozen=True)
-class Rows:
-    """A matrix read from a checkpoint a slice of rows at a time: ``read(i, j)`` returns rows
-    ``i .. j-1`` as a float tensor or as codes. A big matrix (an embedding table) then never
-    exists whole in floats, or twice in codes, beside the layout it is stored in."""
-
-    shape: tuple[int, int]
-    read: Callable[[int, int], torch.Tensor | ChannelCodes | GroupCodes]
-    chunk: int = 4096  # rows per read: a multiple of every kernel's tile
-
-    def chunks(self):
-        n = self.shape[0]
-        for i in range(0, n, self.chunk):
-            yield i, self.read(i, min(n, i + self.chunk))
-
 
 #: What a matrix is made from: a float tensor, codes (quantized here or read from a file), or
 #: either of those read a slice of rows at a time.
@@ -168,27 +152,6 @@ def pack_dense(name: str, w: torch.Tensor, fmt: Format) -> PackedWeight | torch.
     return w
 
 
-def _assemble(src: Rows, name: str, fmt: Format, describe, slot: torch.Tensor | None):
-    """A matrix read in slices: float rows copied into ``slot`` (or a fresh tensor in
-    ``fmt.dtype``), or quantized slice by slice; codes concatenated. Only one slice's floats
-    exist at a time."""
-    quantize_here = fmt.quantization in ("int8", "int4")
-    out, codes = slot, []
-    for i, part in src.chunks():
-        if isinstance(part, torch.Tensor) and quantize_here:
-            part = quantize(name, part, fmt, describe)
-        if isinstance(part, torch.Tensor):
-            if out is None:
-                out = torch.empty(src.shape, dtype=fmt.dtype, device=fmt.device)
-            out[i : i + part.shape[0]].copy_(part)
-        else:
-            codes.append(part)
-        del part
-    if not codes:
-        return out
-    return codes[0] if len(codes) == 1 else type(codes[0]).cat(codes)
-
-
 def pack_matrix(
     name: str,
     src: Source,
@@ -199,13 +162,17 @@ def pack_matrix(
     """The decision for one matrix: what it is made from, the format asked for, this machine.
     ``slot``: where a float32 CPU matrix is to live (:func:`llmlib.kernels.layout.slots`)."""
     if isinstance(src, Rows):
-        src = _assemble(src, name, fmt, describe, slot)
+        here = fmt.quantization in ("int8", "int4")  # float rows rounded as they come
+        rounding = functools.partial(quantize, fmt=fmt, describe=describe) if here else None
+        src = assemble(src, name, fmt, rounding, slot)
     elif slot is not None and isinstance(src, torch.Tensor):
         src = slot.copy_(src)
     if isinstance(src, torch.Tensor) and fmt.quantization in ("int8", "int4"):
         src = quantize(name, src, fmt, describe)
     if isinstance(src, torch.Tensor):
         return pack_dense(name, src, fmt)
+    if isinstance(src, PackedWeight):  # packed slice by slice already
+        return src
     try:
         return pack_codes(src, fmt, rows=name == "embed")
     except (RuntimeError, ValueError) as e:
@@ -260,7 +227,7 @@ def prepare(
             src = mod.weight.detach()
         if name == "embed" and not tied:
             if isinstance(src, Rows):  # a table read in slices: its float rows, not quantized
-                src = _assemble(src, name, replace(fmt, quantization=None), describe, None)
+                src = assemble(src, name, fmt, None, None)
             if isinstance(src, torch.Tensor):
                 _set_dense(mod, src, fmt)  # an untied float table: plain rows for the lookup
                 continue
@@ -268,32 +235,10 @@ def prepare(
         del src
         _install(model, name, mod, packed)
         if fmt.device.type == "cpu":
-            _give_back_freed_memory()
+            give_back_freed_memory()
     _fuse_norms(model, fmt)
     model.weight_format = format_name(model, fmt)
     return model
-
-
-def _give_back_freed_memory() -> None:
-    """Hand memory freed since the last matrix back to the system (glibc keeps freed blocks of
-    a few MB for reuse, and one matrix's temporaries, freed, would otherwise add up to several
-    times the model while it loads)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc():
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 def _slots(tables: dict[str, nn.Module], names: list[str]) -> dict[str, torch.Tensor]:

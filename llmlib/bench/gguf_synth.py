@@ -1,0 +1,122 @@
+"""A GGUF file of a real model's shapes with random blocks: what a big download looks like to the
+loader, without the download.
+
+Only the shapes and the block types matter for what loading costs (bytes read, memory held, the
+layouts packed), so the blocks are random bytes with their float16 scales set to small finite
+values. The mix of types follows llama.cpp's Q4_K_M recipe in outline: Q4_K for most matrices,
+Q6_K for the value projection and the FFN's down projection in every other layer and for the
+LM head. ``llmlib bench memory`` and the tests use it to load an 8B model's shapes in a small
+machine's memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from llmlib.config import ModelConfig, get_config
+
+T = gguf.GGMLQuantizationType
+#: where each block type keeps its float16 scales: (byte offsets in the block)
+_SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,)}
+#: llmlib's name of a matrix -> GGUF's, for one layer
+_NAMES = {
+    "attn.wq": "attn_q",
+    "attn.wk": "attn_k",
+    "attn.wv": "attn_v",
+    "attn.wo": "attn_output",
+    "ffn.w_gate": "ffn_gate",
+    "ffn.w_up": "ffn_up",
+    "ffn.w_down": "ffn_down",
+}
+
+
+def q4_k_m_type(name: str, layer: int | None) -> T:
+    """The block type of one matrix in an outline of llama.cpp's Q4_K_M mix."""
+    if name == "output":
+        return T.Q6_K
+    if name in ("attn_v", "ffn_down") and layer is not None and layer % 2 == 0:
+        return T.Q6_K
+    return T.Q4_K
+
+
+def random_blocks(rows: int, cols: int, t: T, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, bytes per row]`` of random blocks of type ``t`` with small finite scales."""
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for off in _SCALES[t]:
+        raw[:, off : off + 2] = scale
+    if t == T.Q6_K:  # the sub-block scales are int8: keep them small too
+        raw[:, 192:208] = rng.integers(1, 8, size=(n, 16), dtype=np.uint8)
+    return raw.reshape(rows, cols // block * size)
+
+
+def write_random_gguf(
+    path: str | Path, cfg: ModelConfig | str = "llama-3.1-8b", n_layers: int | None = None, seed=0
+) -> Path:
+    """Write ``cfg``'s shapes (``n_layers`` of its layers, all by default) as a llama GGUF file
+    of random Q4_K_M-style blocks; float32 norms. Tensor by tensor, so the writer never holds
+    more than one matrix."""
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    cfg = cfg.replace(rope_scaling=None, n_layers=n_layers or cfg.n_layers)
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    d, hd = cfg.d_model, cfg.head_dim
+    shapes: list[tuple[str, tuple[int, ...], int | None]] = [
+        ("token_embd", (cfg.vocab_size, d), None)
+    ]
+    for i in range(cfg.n_layers):
+        shapes += [
+            (f"blk.{i}.attn_norm", (d,), i),
+            (f"blk.{i}.attn_q", (cfg.n_heads * hd, d), i),
+            (f"blk.{i}.attn_k", (cfg.n_kv_heads * hd, d), i),
+            (f"blk.{i}.attn_v", (cfg.n_kv_heads * hd, d), i),
+            (f"blk.{i}.attn_output", (d, cfg.n_heads * hd), i),
+            (f"blk.{i}.ffn_norm", (d,), i),
+            (f"blk.{i}.ffn_gate", (cfg.ffn_dim, d), i),
+            (f"blk.{i}.ffn_up", (cfg.ffn_dim, d), i),
+            (f"blk.{i}.ffn_down", (d, cfg.ffn_dim), i),
+        ]
+    shapes += [("output_norm", (d,), None)]
+    if not cfg.tie_embeddings:
+        shapes += [("output", (cfg.vocab_size, d), None)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"{cfg.name} (random blocks)")
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(min(cfg.max_seq_len, 8192))
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id or 0)
+    w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 0)
+    types = {}
+    for name, shape, layer in shapes:
+        t = T.F32 if len(shape) == 1 else q4_k_m_type(name.rpartition(".")[2], layer)
+        types[name] = t
+        if t == T.F32:
+            w.add_tensor_info(f"{name}.weight", shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            nbytes = (
+                shape[0] * shape[1] // gguf.GGML_QUANT_SIZES[t][0] * gguf.GGML_QUANT_SIZES[t][1]
+            )
+            byte_shape = (shape[0], nbytes // shape[0])
+            w.add_tensor_info(f"{name}.weight", byte_shape, np.dtype(np.uint8), nbytes, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, _ in shapes:
+        if types[name] == T.F32:
+            w.write_tensor_data(np.ones(shape, np.float32))
+        else:
+            w.write_tensor_data(random_blocks(shape[0], shape[1], types[name], rng))
+    w.close()
+    return path

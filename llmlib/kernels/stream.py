@@ -1,0 +1,139 @@
+"""A big matrix read from a checkpoint a slice of rows at a time, and packed as it comes.
+
+An embedding table or an LM head holds a large share of a model: for Llama-3-8B, half a billion
+weights each. Read whole, such a matrix exists in floats (or in one byte per code) beside the
+layout it is stored in, which on a small machine is the difference between loading and not.
+:class:`Rows` reads it in slices; :func:`assemble` turns each slice into its final form (float
+rows copied into place, codes rounded here, or the integer kernels' layout) before reading the
+next, and hands freed memory back to the system between slices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmlib.kernels import integer
+from llmlib.kernels.weights import PackedWeight
+from llmlib.quantize import ChannelCodes, Codes, GroupCodes
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A matrix read from a checkpoint a slice of rows at a time: ``read(i, j)`` returns rows
+    ``i .. j-1`` as a float tensor or as codes. A big matrix (an embedding table) then never
+    exists whole in floats, or twice in codes, beside the layout it is stored in."""
+
+    shape: tuple[int, int]
+    read: Callable[[int, int], torch.Tensor | ChannelCodes | GroupCodes]
+    chunk: int = 4096  # rows per read: a multiple of every kernel's tile
+
+    def chunks(self):
+        n = self.shape[0]
+        for i in range(0, n, self.chunk):
+            yield i, self.read(i, min(n, i + self.chunk))
+
+
+class Filled:
+    """A packed matrix assembled from the packed layouts of its slices of rows: each buffer of the
+    whole matrix is allocated once, on the first slice, and each slice is copied in as it comes,
+    so neither the whole matrix's codes nor two copies of its layout ever exist at once. (Every
+    layout here keeps its buffers row-major in tiles of output rows, so a slice of rows is a
+    slice of each buffer.)"""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.buffers = rows, {}
+        self.first: PackedWeight | None = None
+
+    def add(self, i: int, part_rows: int, w: PackedWeight) -> None:
+        if self.first is None:
+            self.first = w
+        for name, b in w.named_buffers(recurse=False):
+            if b.dim() == 0 or b.shape[0] == 0:
+                continue
+            lo, hi = i * b.shape[0] // part_rows, (i + part_rows) * b.shape[0] // part_rows
+            out = self.buffers.get(name)
+            if out is None:
+                size = self.rows * b.shape[0] // part_rows
+                out = torch.empty((size, *b.shape[1:]), dtype=b.dtype, device=b.device)
+            elif out.dtype != b.dtype:  # constants a slice cannot keep in float16: widen all
+                out = out.to(torch.promote_types(out.dtype, b.dtype))
+            self.buffers[name] = out
+            out[lo:hi].copy_(b)
+
+    def result(self) -> PackedWeight:
+        w = self.first
+        for name, out in self.buffers.items():
+            setattr(w, name, out)
+        w.shape = torch.Size((self.rows, w.shape[1]))
+        return w
+
+
+def assemble(
+    src: Rows,
+    name: str,
+    fmt: Any,
+    quantize: Callable[[str, torch.Tensor], Codes] | None,
+    slot: torch.Tensor | None,
+):
+    """A matrix read in slices: float rows copied into ``slot`` (or a fresh tensor in
+    ``fmt.dtype``), or quantized slice by slice; codes packed slice by slice into the integer
+    kernels' layout where it takes the whole matrix (else concatenated). Only one slice's floats
+    or codes exist at a time."""
+    out, codes, filled = slot, [], None
+    for i, part in src.chunks():
+        if isinstance(part, torch.Tensor) and quantize is not None:
+            part = quantize(name, part)
+        if isinstance(part, torch.Tensor):
+            if out is None:
+                out = torch.empty(src.shape, dtype=fmt.dtype, device=fmt.device)
+            out[i : i + part.shape[0]].copy_(part)
+        elif filled is not None or (not codes and _packs_whole(part, src.shape, fmt)):
+            filled = filled or Filled(src.shape[0])
+            filled.add(i, part.shape[0], integer.pack(part, fmt.dtype))
+        else:
+            codes.append(part)
+        del part
+        if fmt.device.type == "cpu":
+            give_back_freed_memory()  # a slice's temporaries, before the next slice's
+    if filled is not None:
+        return filled.result()
+    if not codes:
+        return out
+    return codes[0] if len(codes) == 1 else type(codes[0]).cat(codes)
+
+
+def _packs_whole(part: Codes, shape: tuple[int, int], fmt: Any) -> bool:
+    """Whether the integer kernels take the whole matrix of which ``part`` is the first slice
+    (and so every slice: each is a multiple of their tile of rows)."""
+    if fmt.device.type != "cpu" or not integer.available() or part.shape[0] % integer.TILE:
+        return False
+    if isinstance(part, ChannelCodes):
+        return integer.fits(shape)
+    return part.bits in (4, 8) and integer.fits(shape, part.group_size, bits=part.bits)
+
+
+def give_back_freed_memory() -> None:
+    """Hand memory freed since the last matrix back to the system (glibc keeps freed blocks of
+    a few MB for reuse, and one matrix's temporaries, freed, would otherwise add up to several
+    times the model while it loads)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
