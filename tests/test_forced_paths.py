@@ -228,3 +228,14 @@ def test_a_plain_model_is_the_books_and_computes_the_same(files) -> None:
     assert isinstance(plain.embed.weight, torch.nn.Parameter)
     ids = torch.tensor([PROMPTS[1]])
     torch.testing.assert_close(plain(ids), fast(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_the_flags_record_is_read_once(monkeypatch) -> None:
+    """The environment is read on the first call only: a switch changed later changes nothing
+    (a model's choices cannot move under it), and forced() is the one way to change them."""
+    first = flags()
+    monkeypatch.setenv("LLMLIB_PAGED_KERNEL", "0" if first.paged_kernel else "1")
+    assert flags() is first
+    with forced(paged_kernel=not first.paged_kernel) as f:
+        assert flags() is f and f.paged_kernel != first.paged_kernel
+    assert flags() is first
