@@ -1,0 +1,48 @@
+"""The book's prose rules, on every core chapter (tests/prose_rules.py measures them).
+
+A learner reads one idea at a time: short sentences, what the chapter will teach up front, boxes
+where an idea lands, a summary, and problems to do with pencil and paper, each with a worked
+answer to open. Records from named machines live in results/, not in the prose.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import prose_rules as P
+import pytest
+
+CHAPTERS = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("[01][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", CHAPTERS, ids=lambda p: p.stem)
+def test_sentences_are_short(nb: Path) -> None:
+    """At most 2% of a chapter's sentences over 40 words, none over 60."""
+    n = [P.words(s) for s in P.sentences(P.markdown(nb))]
+    long = [s for s in P.sentences(P.markdown(nb)) if P.words(s) > 40]
+    assert sum(k > 60 for k in n) == 0, [s for s in long if P.words(s) > 60]
+    assert len(long) <= 0.02 * len(n), long
+
+
+@pytest.mark.parametrize("nb", CHAPTERS, ids=lambda p: p.stem)
+def test_no_dates_or_machine_names_in_the_prose(nb: Path) -> None:
+    assert P.DATED.findall(P.markdown(nb)) == []
+
+
+@pytest.mark.parametrize("nb", CHAPTERS, ids=lambda p: p.stem)
+def test_the_chapter_is_scaffolded(nb: Path) -> None:
+    """What the reader will be able to do (in the first markdown cell), at least two takeaway
+    boxes, a summary, and at least two problems with their answers in dropdowns."""
+    import json
+
+    cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "markdown"]
+    first = "".join(cells[0]["source"])
+    md = P.markdown(nb)
+    assert "{admonition} What you will be able to do" in first
+    assert len(re.findall(r"\{admonition\} Takeaway\s*\n:class: important", md)) >= 2
+    assert re.search(r"^## Summary\s*$", md, re.M)
+    assert re.search(r"^## Problems\s*$", md, re.M)
+    answers = re.findall(r"\{admonition\} Answer\s*\n:class: dropdown", md)
+    problems = re.findall(r"\*\*Problem \d+\.\*\*", md)
+    assert len(problems) >= 2 and len(answers) >= len(problems), (len(problems), len(answers))
