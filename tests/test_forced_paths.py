@@ -167,9 +167,10 @@ def test_every_format_under_a_forced_path(request, files, reference, path) -> No
 COMPILED = [
     (fmt, p)
     for p in PATHS
-    for fmt in ("float32", "gguf")
+    for fmt in ("float32", "gguf", "bfloat16")
     if (fmt == "float32" and (p.get("isa") == "avx2" or "onednn_float32" in p))
     or (fmt == "gguf" and (not p or p.get("isa") == "avx2" or p == {"integer": "off"}))
+    or (fmt == "bfloat16" and (not p or "onednn_bfloat16" in p))
 ]
 
 

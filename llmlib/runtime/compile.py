@@ -74,11 +74,16 @@ def plain_bfloat16(model: nn.Module) -> int:
     from llmlib.kernels.prepare import weight_matrices
 
     n = 0
-    for mod in weight_matrices(model).values():
+    for name, mod in weight_matrices(model).items():
         w = mod.weight
-        if isinstance(w, OneDNNWeight):
-            del mod.weight
-            mod.weight = nn.Parameter(w.dequantize(), requires_grad=False)
+        if isinstance(w, OneDNNWeight):  # the layer holding it becomes the nn.Linear it replaced
+            bias = getattr(mod, "bias", None)
+            plain = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+            plain.weight = nn.Parameter(w.dequantize(), requires_grad=False)
+            if bias is not None:
+                plain.bias = nn.Parameter(bias.detach(), requires_grad=False)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, plain)
             n += 1
     return n
 
