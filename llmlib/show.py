@@ -16,24 +16,45 @@ def source_of(obj: Any) -> str:
     return textwrap.dedent(inspect.getsource(obj))
 
 
-def show_source(*objs: Any, title: str | None = None) -> Any:
-    """Render the source of one or more llmlib objects as a highlighted Python block.
+def show_source(*objs: Any, title: str | None = None, max_lines: int = 40) -> Any:
+    """Render the source of one or more llmlib objects as highlighted Python blocks.
 
+    A listing shows the first ``max_lines`` lines of each object, the idea a chapter teaches; the
+    rest (the branches a reader can skip on a first pass) is folded under a line to open.
     Returns an IPython ``Markdown`` object (displayed by Jupyter); outside IPython, the text.
     """
-    parts = []
+    blocks = []
     for obj in objs:
         where = getattr(inspect.getmodule(obj), "__name__", "?")
         name = getattr(obj, "__qualname__", getattr(obj, "__name__", ""))
         header = f"# {where}.{name}" if name and where != name else f"# {where}"
-        parts.append(header + "\n" + source_of(obj).rstrip())
-    text = "\n\n".join(parts)
-    md = (f"**{title}**\n\n" if title else "") + "```python\n" + text + "\n```"
+        lines = source_of(obj).rstrip().splitlines()
+        cut = _fold_at(lines, max_lines)
+        block = "```python\n" + header + "\n" + "\n".join(lines[:cut]) + "\n```"
+        if len(lines) > cut:
+            rest = "\n".join(lines[cut:])
+            block += (
+                f"\n\n<details><summary>the other {len(lines) - cut} lines of "
+                f"<code>{name or where}</code></summary>\n\n```python\n{rest}\n```\n\n</details>"
+            )
+        blocks.append(block)
+    md = (f"**{title}**\n\n" if title else "") + "\n\n".join(blocks)
     try:
         from IPython.display import Markdown
     except ImportError:  # pragma: no cover - plain Python
         return md
     return Markdown(md)
+
+
+def _fold_at(lines: list[str], max_lines: int) -> int:
+    """Where to fold a listing: at most ``max_lines`` lines in, never inside a string of several
+    lines (each half must read as Python on its own)."""
+    if len(lines) <= max_lines:
+        return len(lines)
+    cut = max_lines
+    while cut > 1 and sum(x.count('"""') + x.count("'''") for x in lines[:cut]) % 2:
+        cut -= 1
+    return cut
 
 
 def setup_plots() -> None:

@@ -46,3 +46,43 @@ def test_the_chapter_is_scaffolded(nb: Path) -> None:
     answers = re.findall(r"\{admonition\} Answer\s*\n:class: dropdown", md)
     problems = re.findall(r"\*\*Problem \d+\.\*\*", md)
     assert len(problems) >= 2 and len(answers) >= len(problems), (len(problems), len(answers))
+
+
+def test_listings_show_forty_lines_and_fold_the_rest() -> None:
+    """show_source shows the first 40 lines of each object and folds the rest under a line to
+    open; a short object is shown whole."""
+    from llmlib.engine.scheduler import Scheduler
+    from llmlib.show import show_source, source_of
+
+    def text(x) -> str:
+        return getattr(x, "data", x)
+
+    long = text(show_source(Scheduler.schedule))
+    n = len(source_of(Scheduler.schedule).rstrip().splitlines())
+    assert n > 40
+    shown, folded = long.split("<details>")
+    assert shown.count("\n") <= 40 + 4  # the fence, the header line, the 40 lines
+    assert f"the other {n - 40} lines" in folded
+    short = text(show_source(P.words))
+    assert "<details>" not in short and "def words" in short
+
+
+@pytest.mark.parametrize("nb", CHAPTERS, ids=lambda p: p.stem)
+def test_figures_have_alt_text_and_a_concept_diagram_is_referenced(nb: Path) -> None:
+    """Every figure has alt text (a drawn one in its directive, a plotted one in its cell's
+    metadata); the chapter has a concept diagram of its own (chapters/figures/NN-*.svg) that
+    exists, and the prose refers to every drawn figure by name."""
+    import json
+
+    md = P.markdown(nb)
+    drawn = re.findall(r"```\{figure\} (\S+)\n((?::[a-z]+:.*\n)*)", md)
+    assert any(src.startswith(f"figures/{nb.name[:2]}-") for src, _ in drawn), nb.name
+    for src, opts in drawn:
+        assert (nb.parent / src).is_file(), src
+        assert re.search(r":alt: \S", opts), src
+        name = re.search(r":name: (\S+)", opts)
+        assert name and f"{{numref}}`{name.group(1)}`" in md, src
+    for c in json.loads(nb.read_text())["cells"]:
+        meta = c.get("metadata", {}).get("mystnb", {})
+        if "figure" in meta:
+            assert meta.get("image", {}).get("alt"), meta["figure"].get("name")
