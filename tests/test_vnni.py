@@ -24,14 +24,16 @@ def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
 
 
-def _codes8(n: int, k: int, group: int, seed: int = 0, half: bool = False) -> GroupCodes:
+def _codes8(
+    n: int, k: int, group: int, seed: int = 0, half: bool = False, offsets: bool = True
+) -> GroupCodes:
     """8-bit codes in groups, as a GGUF file's are once repacked: every code 0..255, a scale and
     an offset per group; ``half``: constants float16 holds exactly (Q8_0's, Q5_1's), else ones it
-    does not (Q6_K's multiplied-out scales)."""
+    does not (Q6_K's multiplied-out scales); ``offsets=False``: every offset zero (Q8_0, Q6_K)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
     scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
-    zero = torch.randn(n, k // group, generator=gen) * 0.05
+    zero = torch.randn(n, k // group, generator=gen) * 0.05 * offsets
     if half:
         scale, zero = scale.half().float(), zero.half().float()
     return GroupCodes(q, scale, zero, group, bits=8)
@@ -127,20 +129,24 @@ def test_int4_kernel_is_its_arithmetic(group) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "group, dtype",
+    "group, dtype, offsets",
     [
-        (32, torch.float32),
-        (32, torch.bfloat16),
-        (16, torch.float32),
-        (16, torch.bfloat16),
-        (64, torch.float32),
+        (32, torch.float32, True),
+        (32, torch.bfloat16, True),
+        (32, torch.float32, False),
+        (16, torch.float32, True),
+        (16, torch.bfloat16, True),
+        (16, torch.float32, False),
+        (64, torch.float32, True),
     ],
 )
-def test_int8_group_kernel_is_its_arithmetic(group, dtype) -> None:
+def test_int8_group_kernel_is_its_arithmetic(group, dtype, offsets) -> None:
+    """With offsets (Q5_1's) and without (Q8_0's, Q6_K's: the kernel skips their terms)."""
     n, k, rows = 192, 160 if group != 64 else 192, 5
     half = group == 32  # Q8_0's float16 constants; the others' float32 ones
-    codes = _codes8(n, k, group, seed=group, half=half)
+    codes = _codes8(n, k, group, seed=group, half=half, offsets=offsets)
     w = vnni.VnniInt8GroupWeight(codes, dtype)
+    assert w.has_offsets == offsets
     assert w.d.dtype == (torch.float16 if half else torch.float32) and w.m.dtype == w.d.dtype
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(dtype)
     xq, dx = _round_rows(x)
@@ -277,4 +283,4 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith("11 passed") and "skipped" not in last, run.stdout[-2000:]
+    assert last.startswith("13 passed") and "skipped" not in last, run.stdout[-2000:]

@@ -278,13 +278,22 @@ class VnniInt8GroupWeight(_VnniWeight):
         const = torch.float16 if _exact_half(d) and _exact_half(m) else torch.float32
         self.register_buffer("d", _tiles(d.to(const)).contiguous())
         self.register_buffer("m", _tiles(m.to(const)).contiguous())
+        # Q8_0 and Q6_K have no offsets: the kernel then skips their multiply-adds altogether
+        self.register_buffer("no_offsets", torch.empty(0, dtype=const))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Whether any group has an offset (again, after the buffers were filled slice by
+        slice: :class:`llmlib.kernels.stream.Filled`)."""
+        self.has_offsets = bool(self.m.any())
 
     @property
     def label(self) -> str:
         return f"int8 g{self.group_size} vnni"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmlib_vnni.int8g_linear(x, self.w, self.d, self.m, self.group_size)
+        m = self.m if self.has_offsets else self.no_offsets
+        return torch.ops.llmlib_vnni.int8g_linear(x, self.w, self.d, m, self.group_size)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         n, k = self.shape

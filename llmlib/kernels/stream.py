@@ -70,6 +70,8 @@ class Filled:
         for name, out in self.buffers.items():
             setattr(w, name, out)
         w.shape = torch.Size((self.rows, w.shape[1]))
+        if hasattr(w, "refresh"):  # what a layout derives from its buffers, for the whole matrix
+            w.refresh()
         return w
 
 

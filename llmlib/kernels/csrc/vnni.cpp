@@ -346,13 +346,17 @@ void int8g_tile(const uint8_t* w, const C* d, const C* m, int64_t group, const i
       const int64_t b = s * S / QK, grp = s * S / group;
       for (int j = 0; j < J; ++j) {
         const F16 dv = fload(d + grp * TILE + (j0 + j) * 16);
-        const F16 mv = fload(m + grp * TILE + (j0 + j) * 16);
         for (int r = 0; r < R; ++r) {
           const float e = sx[r * nb + b];
           const int32_t xs = sum[r * ns + s];
           const F16 q = fmul(to_float(acc[r][j], INT8_OFFSET * xs), fset(e));  // e * sum q x
           accf[r][j] = fmadd(q, dv, accf[r][j]);
-          accf[r][j] = fmadd(mv, fset(e * static_cast<float>(xs)), accf[r][j]);
+        }
+        if (m != nullptr) {  // offsets (Q5_1, ...); Q8_0 and Q6_K have none
+          const F16 mv = fload(m + grp * TILE + (j0 + j) * 16);
+          for (int r = 0; r < R; ++r)
+            accf[r][j] = fmadd(mv, fset(sx[r * nb + b] * static_cast<float>(sum[r * ns + s])),
+                               accf[r][j]);
         }
       }
     }
@@ -492,18 +496,21 @@ void int8g_run(const uint8_t* wp, const C* dp, const C* mp, int64_t group, const
       int64_t i = 0;
       for (; i + 2 <= M; i += 2) {  // two rows share each load of the tile
         if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE, K * TILE, i / 2, M / 2);
-        int8g_tile<2, S>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+        int8g_tile<2, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr, group,
+                         r.q.data() + i * K,
                          r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
       }
       if (i < M)
-        int8g_tile<1, S>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
+        int8g_tile<1, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr, group,
+                         r.q.data() + i * K,
                          r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
     }
   });
 }
 
 // x [M, K] @ 8-bit group tiles [N / 64, K * 64] (uint8, int8_linear's layout) with d, m
-// [N / 64, K / group * 64] (both float16 or both float32) -> [M, N]; group 16 or a multiple of 32
+// [N / 64, K / group * 64] (both float16 or both float32; m empty: no offsets) -> [M, N]; group 16
+// or a multiple of 32
 at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
                         const at::Tensor& m, int64_t group) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -512,8 +519,9 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
   TORCH_CHECK(group > 0 && K % QK == 0 && (group == 16 || group % QK == 0) && K % group == 0,
               "int8g_linear: bad group size ", group, " for ", K, " columns");
   TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) &&
-                  m.scalar_type() == d.scalar_type() && d.is_contiguous() && m.is_contiguous() &&
-                  d.numel() == N * (K / group) && m.numel() == d.numel(),
+                  d.is_contiguous() && d.numel() == N * (K / group) &&
+                  (m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
+                                      m.numel() == d.numel())),
               "int8g_linear: bad constants");
   check_input(x_, K, "int8g_linear");
   const at::Tensor x = x_.contiguous();
@@ -536,7 +544,7 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
     auto run = [&](auto ctag) {
       using C = decltype(ctag);
       const C* dp = d.data_ptr<C>();
-      const C* mp = m.data_ptr<C>();
+      const C* mp = m.numel() ? m.data_ptr<C>() : nullptr;
       if (group == 16)
         int8g_run<16>(wp, dp, mp, group, r, halves.data(), M, K, tiles, yp);
       else
