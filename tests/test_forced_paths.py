@@ -66,18 +66,33 @@ def _name(p: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in p.items()) or "default"
 
 
+_APART: dict[str, str] = {}  # a build's name -> what its child process printed
+
+
 def _ran_apart(request, path: dict) -> bool:
     """Another C++ build registers the same operators under the same names, and a process can
     hold only one: a path that changes the build runs in a process of its own, forced there by
-    the environment (``Flags.as_env``). True where this call ran the test that way."""
+    the environment (``Flags.as_env``). One child runs every test of that path (the first of
+    them starts it); each test then checks its own line. True where this call ran apart."""
     if "isa" not in path or os.environ.get("FORCED_PATHS_CHILD"):
         return False
-    env = {**os.environ, **dataclasses.replace(flags(), **path).as_env(), "FORCED_PATHS_CHILD": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
-    run = subprocess.run(
-        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    key = _name(path)
+    if key not in _APART:
+        ids = [
+            item.nodeid
+            for item in request.session.items
+            if item.module is request.module
+            and getattr(item, "callspec", None)
+            and item.callspec.params.get("path") == path
+        ]
+        flags_env = dataclasses.replace(flags(), **path).as_env()
+        env = {**os.environ, **flags_env, "FORCED_PATHS_CHILD": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *ids]
+        root = Path(__file__).parents[1]
+        run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+        _APART[key] = run.stdout + run.stderr[-2000:]
+    out = _APART[key]
+    assert f"PASSED {request.node.nodeid}" in out, out[-4000:]
     return True
 
 
