@@ -241,15 +241,19 @@ class VnniInt4Weight(_VnniWeight):
         return torch.ops.llmlib_vnni.int4_linear(x, self.w, self.d, self.m, self.group_size)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        g = self.group_size
-        q = unpack_int4(self.w, k, ids).float()
-        tiles = ids // TILE
-        lane = ids % TILE
-        d = self.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
-        m = self.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
-        w = q * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
-        return w.to(self.dtype)
+        return _group_rows(self, unpack_int4(self.w, self.shape[1], ids), ids)
+
+
+def _group_rows(w: PackedWeight, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a matrix of codes in groups, ``d * q + m``, its per-group constants read
+    out of their tiles (``[N / 64, K / group * 64]``): the lookup of a tied table."""
+    n, k = w.shape
+    g = w.group_size
+    tiles, lane = ids // TILE, ids % TILE
+    d = w.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+    m = w.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+    out = q.float() * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
+    return out.to(w.dtype)
 
 
 def _exact_half(c: torch.Tensor) -> bool:
@@ -296,15 +300,7 @@ class VnniInt8GroupWeight(_VnniWeight):
         return torch.ops.llmlib_vnni.int8g_linear(x, self.w, self.d, m, self.group_size)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        g = self.group_size
-        q = unpack_int8(self.w, k, ids).float()  # u - 128
-        tiles = ids // TILE
-        lane = ids % TILE
-        d = self.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
-        m = self.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
-        w = q * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
-        return w.to(self.dtype)
+        return _group_rows(self, unpack_int8(self.w, self.shape[1], ids), ids)  # q: u - 128
 
 
 def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight | None:

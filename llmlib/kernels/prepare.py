@@ -268,10 +268,11 @@ def _install(model: nn.Module, name: str, mod: nn.Module, packed: PackedWeight |
     else:
         bias = getattr(mod, "bias", None)
         new = PackedLinear(packed, None if bias is None else bias.detach())
-    _replace(model, name, new)
+    replace_module(model, name, new)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where the submodule ``name`` of ``model`` was."""
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, new)
 
@@ -281,7 +282,7 @@ def _fuse_norms(model: nn.Module, fmt: Format) -> None:
         return
     for name, mod in list(model.named_modules()):
         if type(mod) is RMSNorm and not mod.offset:
-            _replace(model, name, fused_norm.FusedRMSNorm.replacing(mod))
+            replace_module(model, name, fused_norm.FusedRMSNorm.replacing(mod))
 
 
 def format_name(model: nn.Module, fmt: Format | None = None) -> str:
@@ -333,10 +334,10 @@ def row_tiled(model: nn.Module, tile: int) -> nn.Module:
         w = mod.weight
         tiles = RowTiles(w if isinstance(w, PackedWeight) else w.detach(), tile)
         if isinstance(mod, TokenEmbedding):
-            _replace(view, name, PackedEmbedding(tiles, mod.scale))
+            replace_module(view, name, PackedEmbedding(tiles, mod.scale))
         else:
             bias = getattr(mod, "bias", None)
-            _replace(view, name, PackedLinear(tiles, None if bias is None else bias.detach()))
+            replace_module(view, name, PackedLinear(tiles, None if bias is None else bias.detach()))
     return view
 
 

@@ -71,7 +71,7 @@ def plain_bfloat16(model: nn.Module) -> int:
     or fuse them. Plain matrices they can; the model's eager prefill multiplies them as well.
     """
     from llmlib.kernels.onednn import OneDNNWeight
-    from llmlib.kernels.prepare import weight_matrices
+    from llmlib.kernels.prepare import replace_module, weight_matrices
 
     n = 0
     for name, mod in weight_matrices(model).items():
@@ -82,8 +82,7 @@ def plain_bfloat16(model: nn.Module) -> int:
             plain.weight = nn.Parameter(w.dequantize(), requires_grad=False)
             if bias is not None:
                 plain.bias = nn.Parameter(bias.detach(), requires_grad=False)
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, plain)
+            replace_module(model, name, plain)
             n += 1
     return n
 
