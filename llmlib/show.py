@@ -7,8 +7,15 @@ rendered book cannot drift from what ``import llmlib`` runs.
 from __future__ import annotations
 
 import inspect
+import json
 import textwrap
+from pathlib import Path
 from typing import Any
+
+#: The running example: every core chapter follows this one question a step further (its tokens,
+#: its vectors, its positions, its attention, its residual stream, its next token, its cache, its
+#: decode step on the roofline, its place in a batch, its answer from the server).
+QUESTION = "What is a quadratic equation?"
 
 
 def source_of(obj: Any) -> str:
@@ -55,6 +62,46 @@ def _fold_at(lines: list[str], max_lines: int) -> int:
     while cut > 1 and sum(x.count('"""') + x.count("'''") for x in lines[:cut]) % 2:
         cut -= 1
     return cut
+
+
+def recorded(
+    path: str | Path,
+    rows: list[dict[str, Any]],
+    columns: dict[str, str] | None = None,
+    title: str = "Recorded on other machines",
+) -> Any:
+    """A record from ``results/`` as a collapsed table, under a line naming its machine and date.
+
+    A chapter's prose speaks only of the reader's own run; figures measured elsewhere (another CPU
+    class, a GPU, a peer engine) stay in their record and appear folded, with where they came
+    from, so a reader never takes them for their own machine's. ``rows`` are computed by the
+    caller from the record (``json.loads(Path(path).read_text())``); ``columns`` maps a row's key
+    to its header (all keys of the first row when omitted). Floats print with 3 significant digits.
+    """
+    path = Path(path)
+    rec = json.loads(path.read_text())
+    machine = rec.get("machine", {}) if isinstance(rec, dict) else {}
+    cpu = machine.get("device_name") or machine.get("cpu") or rec.get("cpu", "")
+    date = str(machine.get("date") or rec.get("date", ""))[:10]
+    columns = columns or {k: k for k in (rows[0] if rows else {})}
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    table = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(cell(r.get(k, "")) for k in columns) + " |" for r in rows]
+    where = ", ".join(x for x in (cpu, date) if x)
+    md = (
+        f"<details><summary>{title}: <code>{path.as_posix().lstrip('./')}</code>"
+        f"{f' ({where})' if where else ''}</summary>\n\n" + "\n".join(table) + "\n\n</details>"
+    )
+    try:
+        from IPython.display import Markdown
+    except ImportError:  # pragma: no cover - plain Python
+        return md
+    return Markdown(md)
 
 
 def setup_plots() -> None:
