@@ -177,6 +177,22 @@ def choose(
     return Placement(dev, pick_dtype(dev, dtype, quantization))
 
 
+def free_memory(device: str | torch.device | None = None) -> int | None:
+    """Bytes free for new tensors on ``device``: the GPU's free memory, or on a CPU what the
+    system could hand out without swapping (``MemAvailable``); None where that cannot be read."""
+    device = pick_device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def synchronize(device: str | torch.device | None = None) -> None:
     """Wait until queued work on ``device`` is done (a no-op on the CPU, where calls are synchronous)."""
     dev = torch.device(device) if device is not None else None

@@ -59,13 +59,23 @@ class GroupCodes:
 
     ``bits=4`` is the int4 layout (``q - 8``); ``bits=8`` holds 8-bit codes with a scale and an
     offset per group, which is what most of a GGUF file's block types are once their constants
-    are multiplied out (:mod:`llmlib.checkpoints.repack`)."""
+    are multiplied out (:mod:`llmlib.checkpoints.repack`).
+
+    ``unit`` (optional, float32 ``[N, K/256]``) says how the scales were made: a GGUF k-quant
+    block of 256 weights has one float16 ``d`` and a small integer per group, and its scales are
+    their products, ``scale = unit * integer``. A kernel can then keep the integers in a byte and
+    the units apart instead of a float32 per group (products of two float16 numbers' worth of
+    bits do not fit a float16)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
     bits: int = 4
+    unit: torch.Tensor | None = None
+
+    #: weights per ``unit``: a k-quant super-block
+    UNIT = 256
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,12 +99,14 @@ class GroupCodes:
                 f"cannot fuse matrices with different (group size, bits) {sorted(kinds)}"
             )
         g, bits = kinds.pop()
+        units = [p.unit for p in parts]
         return GroupCodes(
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
             g,
             bits,
+            None if any(u is None for u in units) else torch.cat(units),
         )
 
 

@@ -76,7 +76,8 @@ def recorded(
     class, a GPU, a peer engine) stay in their record and appear folded, with where they came
     from, so a reader never takes them for their own machine's. ``rows`` are computed by the
     caller from the record (``json.loads(Path(path).read_text())``); ``columns`` maps a row's key
-    to its header (all keys of the first row when omitted). Floats print with 3 significant digits.
+    to its header (all keys of the first row when omitted). Floats print with 3 significant
+    digits, or as whole numbers from 100 up.
     """
     path = Path(path)
     rec = json.loads(path.read_text())
@@ -86,8 +87,8 @@ def recorded(
     columns = columns or {k: k for k in (rows[0] if rows else {})}
 
     def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        if isinstance(v, float):  # 3 significant digits, never in e-notation
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
         return str(v)
 
     table = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]

@@ -46,7 +46,9 @@ def test_the_running_question_goes_through_every_core_chapter(nb: Path) -> None:
     import json
 
     code = "\n".join(
-        "".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"
+        "".join(c["source"])
+        for c in json.loads(nb.read_text())["cells"]
+        if c["cell_type"] == "code"
     )
     assert "QUESTION" in code, nb.name
 
@@ -58,7 +60,9 @@ def test_records_from_other_machines_are_shown_collapsed(nb: Path) -> None:
     import json
 
     code = "\n".join(
-        "".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"
+        "".join(c["source"])
+        for c in json.loads(nb.read_text())["cells"]
+        if c["cell_type"] == "code"
     )
     if "results/" in code:
         assert "recorded(" in code, nb.name

@@ -24,19 +24,69 @@ def test_smollm2_loads_within_its_bound(quantization) -> None:
     """The book's model from its GGUF file: its own blocks (gguf), or rounded to int8 here."""
     from llmlib.checkpoints.fetch import fetch_model
 
-    r = load_memory(fetch_model(quiet=True), "float32", quantization, threads=2)
+    path = fetch_model(quiet=True)
+    r = load_memory(path, "float32", quantization, threads=2)
     assert r["rss"] <= RESIDENT * r["stored"] + FIXED, r
     assert r["peak"] <= PEAK * r["rss"], r
+    if quantization == "gguf":  # the file's own blocks: within 1.3x of the file, too
+        assert r["peak"] <= PEAK * path.stat().st_size + FIXED, r
 
 
 def test_an_8b_models_shapes_stream_in(tmp_path) -> None:
     """Two layers of Llama-3.1-8B's shapes, with its 128,256-row table and LM head, in random
     Q4_K/Q6_K blocks (about 1 GB): the table and the head, each half a billion weights, are
-    packed a slice of rows at a time, so the load never holds one of them twice."""
+    packed a slice of rows at a time, so the load never holds one of them twice. The peak stays
+    within 1.3x of the file, though this file is the worst case of a Q4_K_M mix: its Q6_K head,
+    kept in a byte a weight, is a quarter of it (it is a tenth of the whole 8B model's file)."""
     path = write_random_gguf(tmp_path / "8b-2-layers.gguf", "llama-3.1-8b", n_layers=2)
+    size = path.stat().st_size
     try:
         r = load_memory(path, "float32", "gguf", threads=2)
+        served = _serve(path)
     finally:
         path.unlink()
     assert r["rss"] <= RESIDENT * r["stored"] + FIXED, r
     assert r["peak"] <= PEAK * r["rss"], r
+    assert r["peak"] <= PEAK * size, (r, size)
+    assert served["tokens"] == [3, 3] and served["pool"] <= served["left"] // 2 + 1, served
+
+
+def _serve(path) -> dict:
+    """The engine on the file, in a fresh process: two requests (as token ids: the file has no
+    vocabulary) decode, with the KV pool sized from the memory left after loading."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, torch
+from llmlib.device import free_memory
+from llmlib.engine import LLM
+from llmlib.sampling import SamplingParams
+llm = LLM({str(path)!r}, dtype=torch.float32, quantization="gguf", max_num_seqs=2)
+left = free_memory("cpu")
+outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+pool = llm.runner.cache.nbytes  # committed as blocks are written: counted as if all were
+print(json.dumps({{"tokens": [len(o.token_ids) for o in outs], "pool": pool, "left": left + pool}}))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_the_kv_pool_is_sized_from_the_memory_left(monkeypatch) -> None:
+    """On a CPU the default pool is 1 GiB, or half the memory left after loading if that is
+    less: an 8B model on a small machine gets the pool that fits beside its weights."""
+    import torch
+
+    from llmlib.config import get_config
+    from llmlib.engine.load import default_num_blocks
+    from llmlib.shapes import kv_cache_bytes
+
+    cfg = get_config("llama-3.1-8b")
+    per_block = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16, 4)
+    cpu = torch.device("cpu")
+    for left, want in ((600 << 20, 300 << 20), (64 << 30, 1 << 30)):
+        monkeypatch.setattr("llmlib.device.free_memory", lambda device=None, left=left: left)
+        n = default_num_blocks(cfg, cpu, torch.float32, 16, 8192, 64, None)
+        assert want - per_block < n * per_block <= want, (left, n)

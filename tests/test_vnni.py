@@ -25,18 +25,31 @@ def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def _codes8(
-    n: int, k: int, group: int, seed: int = 0, half: bool = False, offsets: bool = True
+    n: int,
+    k: int,
+    group: int,
+    seed: int = 0,
+    half: bool = False,
+    offsets: bool = True,
+    units: bool = False,
 ) -> GroupCodes:
     """8-bit codes in groups, as a GGUF file's are once repacked: every code 0..255, a scale and
     an offset per group; ``half``: constants float16 holds exactly (Q8_0's, Q5_1's), else ones it
-    does not (Q6_K's multiplied-out scales); ``offsets=False``: every offset zero (Q8_0, Q6_K)."""
+    does not; ``offsets=False``: every offset zero (Q8_0, Q6_K); ``units``: the scales are a
+    float16 unit per 256 columns times an int8 per group (a k-quant's, Q6_K's)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
     scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
     zero = torch.randn(n, k // group, generator=gen) * 0.05 * offsets
     if half:
         scale, zero = scale.half().float(), zero.half().float()
-    return GroupCodes(q, scale, zero, group, bits=8)
+    unit = None
+    if units:
+        unit = (torch.rand(n, k // 256, generator=gen) * 1e-3 + 1e-4).half().float()
+        unit[0, 0] = 0.0  # an all-zero block (d = 0) is a real file's too
+        ints = torch.randint(-128, 128, (n, k // group), generator=gen).float()
+        scale = unit.repeat_interleave(256 // group, dim=1) * ints
+    return GroupCodes(q, scale, zero, group, bits=8, unit=unit)
 
 
 def test_int8_tiles_read_back_to_the_codes() -> None:
@@ -129,25 +142,36 @@ def test_int4_kernel_is_its_arithmetic(group) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "group, dtype, offsets",
+    "group, dtype, offsets, units",
     [
-        (32, torch.float32, True),
-        (32, torch.bfloat16, True),
-        (32, torch.float32, False),
-        (16, torch.float32, True),
-        (16, torch.bfloat16, True),
-        (16, torch.float32, False),
-        (64, torch.float32, True),
+        (32, torch.float32, True, False),
+        (32, torch.bfloat16, True, False),
+        (32, torch.float32, False, False),
+        (16, torch.float32, True, False),
+        (16, torch.bfloat16, True, False),
+        (16, torch.float32, False, False),
+        (64, torch.float32, True, False),
+        (16, torch.float32, False, True),
+        (16, torch.bfloat16, False, True),
+        (32, torch.float32, True, True),
     ],
 )
-def test_int8_group_kernel_is_its_arithmetic(group, dtype, offsets) -> None:
-    """With offsets (Q5_1's) and without (Q8_0's, Q6_K's: the kernel skips their terms)."""
+def test_int8_group_kernel_is_its_arithmetic(group, dtype, offsets, units) -> None:
+    """With offsets (Q5_1's) and without (Q8_0's, Q6_K's: the kernel skips their terms); with
+    scales kept as an int8 per group times a float unit per 256 columns (k-quants')."""
     n, k, rows = 192, 160 if group != 64 else 192, 5
-    half = group == 32  # Q8_0's float16 constants; the others' float32 ones
-    codes = _codes8(n, k, group, seed=group, half=half, offsets=offsets)
+    if units:
+        k = 512
+    half = group == 32 and not units  # Q8_0's float16 constants; the others' float32 ones
+    codes = _codes8(n, k, group, seed=group, half=half, offsets=offsets, units=units)
     w = vnni.VnniInt8GroupWeight(codes, dtype)
     assert w.has_offsets == offsets
-    assert w.d.dtype == (torch.float16 if half else torch.float32) and w.m.dtype == w.d.dtype
+    if units:  # 1 byte a group and 4 per 256 columns, not a float32 a group
+        assert w.d.dtype == torch.int8 and w.u.shape == (n // 64, k // 256 * 64)
+        assert w.m.dtype == torch.float32
+    else:
+        assert w.d.dtype == (torch.float16 if half else torch.float32) and w.m.dtype == w.d.dtype
+        assert w.u.numel() == 0
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(dtype)
     xq, dx = _round_rows(x)
     wq = codes.dequantize().double()  # the constants as stored: exactly, in either dtype
@@ -283,4 +307,4 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith("13 passed") and "skipped" not in last, run.stdout[-2000:]
+    assert last.startswith("16 passed") and "skipped" not in last, run.stdout[-2000:]

@@ -60,13 +60,18 @@ def read_checkpoint(
 
 def load_tokenizer_for(path: str | Path, required: bool = True) -> Any:
     """The tokenizer that goes with a model: the one inside a ``.gguf`` file, or a folder's
-    ``tokenizer.json`` (or ``*.tiktoken``). ``required=False`` returns None for a folder with
-    weights only (the engine then takes prompts as token ids)."""
+    ``tokenizer.json`` (or ``*.tiktoken``). ``required=False`` returns None for a folder or a
+    file with weights only (the engine then takes prompts as token ids)."""
     from llmlib.tokenizer import load_tokenizer
 
     path = Path(path).expanduser()
     if not path.is_dir():
-        return load_tokenizer(path)
+        try:
+            return load_tokenizer(path)
+        except ValueError as e:
+            if required or "has no tokenizer" not in str(e):
+                raise
+            return None
     for cand in [path / "tokenizer.json", *sorted(path.glob("*.tiktoken"))]:
         if cand.exists():
             return load_tokenizer(cand)

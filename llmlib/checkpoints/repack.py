@@ -45,11 +45,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmlib.checkpoints import quant
 from llmlib.checkpoints.quant import BlockFormat, as_bytes, block_format, take_apart
 from llmlib.quantize import GroupCodes
 
 #: the block types whose codes are 4 bits (the int4 kernels' layout); every other one is 8 bits
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+#: where each k-quant block keeps its float16 ``d``: its group scales are ``d`` times integers
+UNIT_OFFSET = {"Q2_K": 80, "Q3_K": 108, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
 
 
 def code_format(kind: str, name: str = "tensor") -> BlockFormat:
@@ -72,7 +75,8 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
             f"{name}: a {kind} row of {width} bytes is not a whole number of "
             f"{fmt.block_bytes}-byte blocks"
         )
-    parts = take_apart(as_bytes(raw.contiguous().numpy()).reshape(-1, fmt.block_bytes), fmt)
+    parts_raw = as_bytes(raw.contiguous().numpy()).reshape(-1, fmt.block_bytes)
+    parts = take_apart(parts_raw, fmt)
     shift = parts.shift if parts.shift is not None else np.zeros_like(parts.scale)
     if kind in FOUR_BIT:
         q = parts.q - np.int8(parts.low)  # 0..15: Q4_0's stored nibble, Q4_1's and Q4_K's q
@@ -83,12 +87,17 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
         q = parts.q.view(np.uint8) ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
         zero, bits = shift, 8
     k = width // fmt.block_bytes * fmt.block_size
+    unit = None
+    if kind in UNIT_OFFSET:  # k-quants: each block's float16 d times an integer per group
+        unit = quant._f16(parts_raw[:, UNIT_OFFSET[kind] : UNIT_OFFSET[kind] + 2]).reshape(rows, -1)
+        unit = torch.from_numpy(unit)
     return GroupCodes(
         torch.from_numpy(q.view(np.uint8).reshape(rows, k)),
         torch.from_numpy(parts.scale.reshape(rows, -1)),
         torch.from_numpy(zero.reshape(rows, -1)),
         fmt.group,
         bits,
+        unit,
     )
 
 
@@ -106,7 +115,7 @@ def widen(c: GroupCodes, bits: int, group_size: int) -> GroupCodes:
     if group_size != c.group_size:
         r = c.group_size // group_size
         scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
-    return GroupCodes(q, scale, zero, group_size, bits)
+    return GroupCodes(q, scale, zero, group_size, bits, c.unit)
 
 
 def fuse(codes: list[GroupCodes]) -> GroupCodes:

@@ -44,8 +44,9 @@ class LLM:
 
     ``model`` may also be a loaded :class:`llmlib.model.Transformer` (then pass ``tokenizer``, or
     give prompts as token ids). ``num_blocks`` sizes the KV pool (default: ``kv_cache_bytes`` worth,
-    1 GiB on a CPU, most of the free memory on a GPU, never more than ``max_num_seqs`` full-length
-    sequences need). ``max_num_batched_tokens`` is the per-step token budget.
+    from the memory left after loading: 1 GiB on a CPU or half the memory left if less, most of
+    the free memory on a GPU; never more than ``max_num_seqs`` full-length sequences need).
+    ``max_num_batched_tokens`` is the per-step token budget.
 
     ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
     as a replay of a CUDA graph (:class:`llmlib.engine.graphs.PagedDecodeGraphs`), captured per

@@ -57,18 +57,21 @@ def default_num_blocks(
     kv_cache_bytes: int | None,
 ) -> int:
     """The KV pool's size when :class:`llmlib.LLM` is not given ``num_blocks``: ``kv_cache_bytes``
-    worth (default: 80% of the free memory on a GPU, 1 GiB on a CPU), never more than
-    ``max_num_seqs`` full-length sequences (plus one block each) could use."""
+    worth, never more than ``max_num_seqs`` full-length sequences (plus one block each) could
+    use. By default it is sized from the memory left once the weights are loaded: 80% of what is
+    free on a GPU; on a CPU 1 GiB, or half of what the system has left if that is less (a big
+    model on a small machine gets the pool that fits beside it, not an out-of-memory kill)."""
+    from llmlib.device import free_memory
     from llmlib.shapes import kv_cache_bytes as kv_formula
 
     per_block = kv_formula(
         config.n_layers, config.n_kv_heads, config.head_dim, block_size, dtype.itemsize
     )
     if kv_cache_bytes is None:
+        free = free_memory(device)
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
             kv_cache_bytes = int(free * 0.8)
         else:
-            kv_cache_bytes = 1 << 30
+            kv_cache_bytes = 1 << 30 if free is None else min(1 << 30, free // 2)
     needed = max_num_seqs * (-(-max_len // block_size) + 1)
     return max(1, min(needed, int(kv_cache_bytes // per_block)))

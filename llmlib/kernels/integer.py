@@ -107,7 +107,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
     @torch.library.register_fake("llmlib_vnni::int8g_linear")
-    def _(x, w, d, m, group):
+    def _(x, w, d, m, u, group):
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
 
@@ -251,9 +251,33 @@ def _group_rows(w: PackedWeight, q: torch.Tensor, ids: torch.Tensor) -> torch.Te
     g = w.group_size
     tiles, lane = ids // TILE, ids % TILE
     d = w.d.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
-    m = w.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+    if w.m.numel():
+        m = w.m.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+    else:  # no offsets stored (Q8_0, Q6_K)
+        m = torch.zeros_like(d)
+    u = getattr(w, "u", None)
+    if u is not None and u.numel():  # int8 integers times a float unit per 256 columns
+        unit = u.view(n // TILE, k // UNIT, TILE)[tiles, :, lane]
+        d = d * unit.repeat_interleave(UNIT // g, dim=-1)
     out = q.float() * d.repeat_interleave(g, dim=-1) + m.repeat_interleave(g, dim=-1)
     return out.to(w.dtype)
+
+
+#: columns per float unit of factored constants (a k-quant super-block: :class:`GroupCodes` ``unit``)
+UNIT = GroupCodes.UNIT
+
+
+def _factored(codes: GroupCodes) -> torch.Tensor | None:
+    """The integers ``i`` (int8) with ``scale == unit * i`` exactly, group by group, where the
+    codes carry their units (GGUF k-quants) and the products are exactly that; else None."""
+    k = codes.shape[1]
+    if codes.unit is None or k % UNIT or UNIT % codes.group_size:
+        return None
+    unit = codes.unit.float().repeat_interleave(UNIT // codes.group_size, dim=1)
+    i = torch.where(unit != 0, codes.scale.float() / unit, torch.zeros_like(unit)).round()
+    if i.min() < -128 or i.max() > 127 or not torch.equal(i * unit, codes.scale.float()):
+        return None
+    return i.to(torch.int8)
 
 
 def _exact_half(c: torch.Tensor) -> bool:
@@ -266,7 +290,9 @@ def _exact_half(c: torch.Tensor) -> bool:
 class VnniInt8GroupWeight(_VnniWeight):
     """8-bit codes in groups (``bits=8`` :class:`GroupCodes`: GGUF's Q8_0, Q5_0, Q5_1, Q6_K, ...)
     in int8's VNNI tiles, ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``.
-    The constants are float16 where that holds them exactly, else float32."""
+    The constants are float16 where that holds them exactly; a k-quant's scales, products of a
+    float16 unit per 256 columns and an integer per group, are kept as those two (int8 per group,
+    float32 per 256 columns: ``u``); anything else is float32."""
 
     kind = "int8 group vnni"
 
@@ -279,25 +305,36 @@ class VnniInt8GroupWeight(_VnniWeight):
         self.register_buffer("w", pack_uint8(codes.q).contiguous())
         # GroupCodes' convention is (q - 128) * scale + zero: d = scale, m = zero
         d, m = codes.scale.float(), codes.zero.float()
-        const = torch.float16 if _exact_half(d) and _exact_half(m) else torch.float32
-        self.register_buffer("d", _tiles(d.to(const)).contiguous())
-        self.register_buffer("m", _tiles(m.to(const)).contiguous())
-        # Q8_0 and Q6_K have no offsets: the kernel then skips their multiply-adds altogether
-        self.register_buffer("no_offsets", torch.empty(0, dtype=const))
+        ints = _factored(codes)
+        if ints is not None:
+            const = torch.float32  # the offsets' dtype beside int8 integers
+            self.register_buffer("d", _tiles(ints).contiguous())
+            self.register_buffer("u", _tiles(codes.unit.float()).contiguous())
+        else:
+            const = torch.float16 if _exact_half(d) and _exact_half(m) else torch.float32
+            self.register_buffer("d", _tiles(d.to(const)).contiguous())
+            self.register_buffer("u", torch.empty(0))
+        # Q8_0 and Q6_K have no offsets: none are stored, and the kernel skips their
+        # multiply-adds altogether
+        offsets = _tiles(m.to(const)).contiguous() if m.any() else torch.empty(0, dtype=const)
+        self.register_buffer("m", offsets)
         self.refresh()
 
     def refresh(self) -> None:
         """Whether any group has an offset (again, after the buffers were filled slice by
         slice: :class:`llmlib.kernels.stream.Filled`)."""
-        self.has_offsets = bool(self.m.any())
+        self.has_offsets = bool(self.m.numel() and self.m.any())
+        if not self.has_offsets:
+            self.m = self.m.new_empty(0)
 
     @property
     def label(self) -> str:
         return f"int8 g{self.group_size} vnni"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.m if self.has_offsets else self.no_offsets
-        return torch.ops.llmlib_vnni.int8g_linear(x, self.w, self.d, m, self.group_size)
+        return torch.ops.llmlib_vnni.int8g_linear(
+            x, self.w, self.d, self.m, self.u, self.group_size
+        )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return _group_rows(self, unpack_int8(self.w, self.shape[1], ids), ids)  # q: u - 128

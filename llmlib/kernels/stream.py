@@ -30,7 +30,7 @@ class Rows:
 
     shape: tuple[int, int]
     read: Callable[[int, int], torch.Tensor | ChannelCodes | GroupCodes]
-    chunk: int = 4096  # rows per read: a multiple of every kernel's tile
+    chunk: int = 2048  # rows per read: a multiple of every kernel's tile
 
     def chunks(self):
         n = self.shape[0]
@@ -57,10 +57,14 @@ class Filled:
                 continue
             lo, hi = i * b.shape[0] // part_rows, (i + part_rows) * b.shape[0] // part_rows
             out = self.buffers.get(name)
-            if out is None:
+            if out is None:  # zeros: rows of slices without this buffer (no offsets) read 0
                 size = self.rows * b.shape[0] // part_rows
-                out = torch.empty((size, *b.shape[1:]), dtype=b.dtype, device=b.device)
+                out = torch.zeros((size, *b.shape[1:]), dtype=b.dtype, device=b.device)
             elif out.dtype != b.dtype:  # constants a slice cannot keep in float16: widen all
+                if not (out.dtype.is_floating_point and b.dtype.is_floating_point):
+                    raise RuntimeError(
+                        f"{name}: slices of one matrix packed as {out.dtype} and {b.dtype}"
+                    )
                 out = out.to(torch.promote_types(out.dtype, b.dtype))
             self.buffers[name] = out
             out[lo:hi].copy_(b)

@@ -24,6 +24,9 @@
 //   int8 in groups (GGUF's Q8_0, Q5_x, Q6_K, ... once their constants are multiplied out):
 //         w[n, k] = d[n, g] * (u[n, k] - 128) + m[n, g], u stored as for int8; groups of 16
 //         split each activation block in two halves, each summed and corrected on its own.
+//         A k-quant's d is a float16 per 256 weights times a small integer per group; kept as
+//         that integer (int8) and the float per 256 apart, d costs 1.25 bytes per group instead
+//         of a float32's 4 (the product does not fit a float16).
 //
 // Python (llmlib/vnni.py) packs the weights; tests/test_vnni.py checks each product against the
 // same arithmetic in float64.
@@ -45,6 +48,7 @@ namespace {
 
 constexpr int64_t QK = 32;    // activation block: one int8 scale per 32 values
 constexpr int64_t TILE = 64;  // output channels per weight tile
+constexpr int64_t UNIT = 256;  // weights per k-quant super-block: one float unit of the d's
 // bytes ahead of the loads to ask the memory system for: a step streams every weight from
 // memory once, and the hardware prefetcher alone starts over at each 4 KiB page
 constexpr int64_t PREFETCH = 4096;
@@ -65,6 +69,9 @@ struct I16 {
 inline F16 fzero() { return {_mm512_setzero_ps()}; }
 inline F16 fset(float f) { return {_mm512_set1_ps(f)}; }
 inline F16 fload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F16 fload(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline F16 fload(const at::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
@@ -131,6 +138,10 @@ inline __m256 half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline F16 fload(const at::Half* p) { return {half8(p), half8(p + 8)}; }
+inline __m256 byte8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline F16 fload(const int8_t* p) { return {byte8(p), byte8(p + 8)}; }
 inline F16 fmul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline F16 fmadd(F16 a, F16 b, F16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
@@ -317,13 +328,15 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
 
 // R rows of activations against one 8-bit group tile: y[r][0..64), w[n, k] = d[n, g] * (u[n, k] -
 // 128) + m[n, g] for group g = k / group, u stored as in int8_tile. `d` and `m` are this tile's
-// [K / group, 64] constants (float16, or float32 where float16 does not hold them exactly). The
+// [K / group, 64] constants (float16, or float32 where float16 does not hold them exactly, or
+// int8 integers that `u`, this tile's [K / 256, 64] float32 units, multiplies). The
 // integer sums run over S columns at a time: 32 (an activation block) for groups that are
 // multiples of 32, 16 for groups of 16, where each half of a block meets its own group's
 // constants and takes its own correction `sum` (the activation codes summed over those S columns).
-template <int R, int S, typename C, typename T>
-void int8g_tile(const uint8_t* w, const C* d, const C* m, int64_t group, const int8_t* xq,
-                const float* sx, const int32_t* sum, int64_t K, T* y, int64_t ldy) {
+template <int R, int S, typename C, typename M, typename T>
+void int8g_tile(const uint8_t* w, const C* d, const M* m, const float* u, int64_t group,
+                const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
+                int64_t ldy) {
   static_assert(QK % S == 0 && S % 4 == 0, "S columns divide an activation block");
   const int64_t nb = K / QK, ns = K / S;
   for (int j0 = 0; j0 < 4; j0 += J) {
@@ -345,7 +358,8 @@ void int8g_tile(const uint8_t* w, const C* d, const C* m, int64_t group, const i
       }
       const int64_t b = s * S / QK, grp = s * S / group;
       for (int j = 0; j < J; ++j) {
-        const F16 dv = fload(d + grp * TILE + (j0 + j) * 16);
+        F16 dv = fload(d + grp * TILE + (j0 + j) * 16);
+        if (u != nullptr) dv = fmul(dv, fload(u + (s * S / UNIT) * TILE + (j0 + j) * 16));
         for (int r = 0; r < R; ++r) {
           const float e = sx[r * nb + b];
           const int32_t xs = sum[r * ns + s];
@@ -486,43 +500,52 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 
 // one 8-bit group product, its types fixed: S columns per integer sum (16 or 32), constants C,
 // activations T; `sum` holds the activation codes' sums over every S columns, K / S per row
-template <int S, typename C, typename T>
-void int8g_run(const uint8_t* wp, const C* dp, const C* mp, int64_t group, const QuantizedRows& r,
-               const int32_t* sum, int64_t M, int64_t K, int64_t tiles, T* yp) {
+template <int S, typename C, typename Mc, typename T>
+void int8g_run(const uint8_t* wp, const C* dp, const Mc* mp, const float* up, int64_t group,
+               const QuantizedRows& r, const int32_t* sum, int64_t M, int64_t K, int64_t tiles,
+               T* yp) {
   const int64_t N = tiles * TILE, per_tile = (K / group) * TILE, nb = K / QK, ns = K / S;
+  const int64_t per_unit = (K / UNIT) * TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
     for (int64_t t = a; t < e; ++t) {
       const uint8_t* wt = wp + t * K * TILE;
       int64_t i = 0;
       for (; i + 2 <= M; i += 2) {  // two rows share each load of the tile
         if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE, K * TILE, i / 2, M / 2);
-        int8g_tile<2, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr, group,
-                         r.q.data() + i * K,
+        int8g_tile<2, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr,
+                         up ? up + t * per_unit : nullptr, group, r.q.data() + i * K,
                          r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
       }
       if (i < M)
-        int8g_tile<1, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr, group,
-                         r.q.data() + i * K,
+        int8g_tile<1, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr,
+                         up ? up + t * per_unit : nullptr, group, r.q.data() + i * K,
                          r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
     }
   });
 }
 
 // x [M, K] @ 8-bit group tiles [N / 64, K * 64] (uint8, int8_linear's layout) with d, m
-// [N / 64, K / group * 64] (both float16 or both float32; m empty: no offsets) -> [M, N]; group 16
-// or a multiple of 32
+// [N / 64, K / group * 64] (both float16 or both float32, or int8 d with float32 m; m empty: no
+// offsets) and, for int8 d, its float32 units u [N / 64, K / 256 * 64] (else empty) -> [M, N];
+// group 16 or a multiple of 32
 at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
-                        const at::Tensor& m, int64_t group) {
+                        const at::Tensor& m, const at::Tensor& u, int64_t group) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "int8g_linear: expected contiguous uint8 tiles");
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / TILE;
   TORCH_CHECK(group > 0 && K % QK == 0 && (group == 16 || group % QK == 0) && K % group == 0,
               "int8g_linear: bad group size ", group, " for ", K, " columns");
-  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) &&
+  const bool units = d.scalar_type() == at::kChar;
+  const at::ScalarType mt = units ? at::kFloat : d.scalar_type();
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || units) &&
                   d.is_contiguous() && d.numel() == N * (K / group) &&
-                  (m.numel() == 0 || (m.scalar_type() == d.scalar_type() && m.is_contiguous() &&
+                  (m.numel() == 0 || (m.scalar_type() == mt && m.is_contiguous() &&
                                       m.numel() == d.numel())),
               "int8g_linear: bad constants");
+  TORCH_CHECK(units ? (K % UNIT == 0 && u.scalar_type() == at::kFloat && u.is_contiguous() &&
+                       u.numel() == N * (K / UNIT))
+                    : u.numel() == 0,
+              "int8g_linear: int8 constants take float32 units per 256 columns, others none");
   check_input(x_, K, "int8g_linear");
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0);
@@ -541,17 +564,20 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* yp = y.data_ptr<scalar_t>();
-    auto run = [&](auto ctag) {
+    auto run = [&](auto ctag, auto mtag) {
       using C = decltype(ctag);
+      using Mc = decltype(mtag);
       const C* dp = d.data_ptr<C>();
-      const C* mp = m.numel() ? m.data_ptr<C>() : nullptr;
+      const Mc* mp = m.numel() ? m.data_ptr<Mc>() : nullptr;
+      const float* up = units ? u.data_ptr<float>() : nullptr;
       if (group == 16)
-        int8g_run<16>(wp, dp, mp, group, r, halves.data(), M, K, tiles, yp);
+        int8g_run<16>(wp, dp, mp, up, group, r, halves.data(), M, K, tiles, yp);
       else
-        int8g_run<QK>(wp, dp, mp, group, r, r.sum.data(), M, K, tiles, yp);
+        int8g_run<QK>(wp, dp, mp, up, group, r, r.sum.data(), M, K, tiles, yp);
     };
-    if (d.scalar_type() == at::kHalf) run(at::Half{});
-    else run(float{});
+    if (d.scalar_type() == at::kHalf) run(at::Half{}, at::Half{});
+    else if (units) run(int8_t{}, float{});
+    else run(float{}, float{});
   });
   return y;
 }
@@ -561,7 +587,7 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
 TORCH_LIBRARY(llmlib_vnni, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
-  lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
+  lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmlib_vnni, CPU, lib) {
