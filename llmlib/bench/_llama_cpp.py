@@ -40,9 +40,15 @@ def label(kind: str | None) -> str:
     return "llama.cpp" if kind is None else f"llama.cpp {kind}"
 
 
+#: llama.cpp's mixes: the type most tensors get, with some kept in more bits (Q4_K_M keeps the
+#: value projection and the FFN's down projection of half the layers, and the head, in Q6_K)
+MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q3_K_M", "Q2_K")
+
+
 def copy_of(path: Path, kind: str | None, threads: int = 2) -> Path:
-    """``path`` requantized by llama.cpp to ``kind`` (F32, BF16, Q8_0), made once and cached
-    next to it; ``path`` itself for None."""
+    """``path`` requantized by llama.cpp to ``kind`` (F32, BF16, Q8_0 and the other single
+    types, every tensor in it; or a mix such as Q4_K_M, as llama.cpp makes the files people
+    download), made once and cached next to it; ``path`` itself for None."""
     if kind is None:
         return path
     import llama_cpp as L
@@ -50,14 +56,13 @@ def copy_of(path: Path, kind: str | None, threads: int = 2) -> Path:
     out = path.with_name(f"{path.stem}.llama-cpp-{kind}.gguf")
     if out.exists():
         return out
-    ftype = {
-        "F32": L.LLAMA_FTYPE_ALL_F32,
-        "BF16": L.LLAMA_FTYPE_MOSTLY_BF16,
-        "Q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
-    }[kind]
+    name = {"F32": "ALL_F32"}.get(kind, f"MOSTLY_{kind}")
+    ftype = getattr(L, f"LLAMA_FTYPE_{name}", None)
+    if ftype is None:
+        raise KeyError(f"llama.cpp has no file type {kind!r}")
     params = L.llama_model_quantize_default_params()
     params.ftype, params.nthread = ftype, threads
-    params.allow_requantize, params.pure = True, True
+    params.allow_requantize, params.pure = True, kind not in MIXES
     tmp = out.with_suffix(".part")
     rc = L.llama_model_quantize(str(path).encode(), str(tmp).encode(), params)
     if rc != 0 or not tmp.exists():

@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -157,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama-cpp", action="store_true", help="with --formats: skip llama.cpp")
     ap.add_argument("--out", default=None, help="with --formats: also write the JSON here")
     ap.add_argument(
+        "--requantize",
+        default=None,
+        metavar="TYPE",
+        help="with --formats: run on a copy of the model made by llama.cpp's own quantizer "
+        "(needs llama-cpp-python), e.g. Q4_K_M, Q5_K_M, Q6_K: the mixes GGUF files come in",
+    )
+    ap.add_argument(
         "--speculative",
         default=None,
         metavar="SPEC[,SPEC]",
@@ -218,8 +226,21 @@ def _formats_main(args: argparse.Namespace) -> int:
         print(f"llmlib bench generate: {e}", file=sys.stderr)
         return 2
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    path = resolve_model_path(args.model)
+    if args.requantize:
+        from llmlib.bench import _llama_cpp
+
+        if not _llama_cpp.available():
+            print("llmlib bench generate: --requantize needs llama-cpp-python", file=sys.stderr)
+            return 2
+        try:
+            path = _llama_cpp.copy_of(Path(path), args.requantize, threads=args.threads or 2)
+        except (KeyError, RuntimeError) as e:
+            print(f"llmlib bench generate: --requantize {args.requantize}: {e}", file=sys.stderr)
+            return 2
+        log(f"model: {path.name} (llama.cpp's quantizer, {args.requantize})")
     res = F.run(
-        resolve_model_path(args.model),
+        path,
         fmts,
         new_tokens=args.new_tokens,
         runs=args.runs,
