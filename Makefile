@@ -46,7 +46,7 @@ lint: venv
 
 # Unit tests and the checks against reference libraries (transformers, tokenizers, tiktoken).
 unit: venv fetch
-	$(BIN)/python -m pytest -q -m "not pages" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m "not pages" -p no:cacheprovider --durations=25
 
 # The strict build executes every notebook: a failing cell or a broken reference fails it.
 build-book: venv fetch

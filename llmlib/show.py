@@ -82,6 +82,10 @@ def recorded(
     path = Path(path)
     rec = json.loads(path.read_text())
     machine = rec.get("machine", {}) if isinstance(rec, dict) else {}
+    if not machine and isinstance(rec, dict):  # a record of several runs: the first one's
+        machine = next(
+            (v["machine"] for v in rec.values() if isinstance(v, dict) and "machine" in v), {}
+        )
     cpu = machine.get("device_name") or machine.get("cpu") or rec.get("cpu", "")
     date = str(machine.get("date") or rec.get("date", ""))[:10]
     columns = columns or {k: k for k in (rows[0] if rows else {})}

@@ -279,7 +279,7 @@ def breakdown(
     context: int = 64,
     reps: int = 5,
 ) -> dict[str, dict[str, float]]:
-    """Per format, chapter 9's decomposition of one batch-1 decode step
+    """Per format, Going further 1's decomposition of one batch-1 decode step
     (:func:`llmlib.bench.roofline.decode_breakdown`): the full step, the weight matrices alone as
     stored, and the same format's 30-layer skeleton (overhead), plus the bytes the step reads."""
     import llmlib

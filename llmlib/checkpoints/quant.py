@@ -268,7 +268,7 @@ def take_apart(blocks: np.ndarray, fmt: BlockFormat) -> Blocks:
 
 
 def _dequant_q8_0(blocks: np.ndarray) -> np.ndarray:
-    # The simplest format spelled out (chapter 3 shows it); the others go through Blocks.
+    # The simplest format spelled out (Going further 1 shows it); the others go through Blocks.
     d = _f16(blocks[:, :2])  # [n, 1]
     q = _int8(blocks[:, 2:]).astype(np.float32)  # [n, 32]
     return q * d

@@ -7,7 +7,7 @@ from the number of rows (the step's token count), and attention splits the keys 
 size depends on the chunk's length (``F.scaled_dot_product_attention``) or pads a decode group to
 its longest member. So the same request run alone, in a batch, with its prompt chunked another
 way, recomputed after a preemption, or started from cached prefix blocks can produce different
-logits (chapter 7 measures by how much, :mod:`llmlib.analysis.invariance`).
+logits (Going further 3 measures by how much, :mod:`llmlib.analysis.invariance`).
 
 ``LLM(..., batch_invariant=True)`` fixes every reduction's order independently of the batch, the
 recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant

@@ -12,7 +12,7 @@ The model code does not change: :func:`parallelize` takes one rank's model (buil
 The LM head's output stays split by vocabulary; :meth:`Comm.gather_logits` puts the pieces
 together on rank 0, where the engine samples.
 
-:class:`Comm` counts every all-reduce (calls, bytes, seconds), which is how chapter 11 measures
+:class:`Comm` counts every all-reduce (calls, bytes, seconds), which is how Going further 4 measures
 the share of a step spent communicating. On a GPU the seconds are only counted with
 ``timing=True``, which synchronises the device around each call (and so slows it).
 """

@@ -1,4 +1,4 @@
-"""Speculative decoding (chapter 8): propose several tokens cheaply, verify them in one pass.
+"""Speculative decoding (Going further 2): propose several tokens cheaply, verify them in one pass.
 
 :class:`SpeculativeConfig` says what proposes (:mod:`.proposers`: prompt lookup, the model's own
 first layers, a draft model); :mod:`.verify` decides which proposals the model keeps so the output
