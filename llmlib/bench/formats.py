@@ -59,6 +59,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads from the weights: every matrix it multiplies by as stored
     (packed codes and scales, or the dense matrix), the norms, one embedding row."""
     from llmlib.kernels.prepare import read_bytes, weight_matrices
+    from llmlib.kernels.weights import PackedWeight
 
     mats = weight_matrices(model)
     total = 0
@@ -67,8 +68,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for p in model.parameters():
         if p.dim() == 1:
             total += p.numel() * p.element_size()
-    if "embed" not in mats:
-        total += model.embed.weight.shape[1] * model.embed.weight.element_size()
+    if "embed" not in mats:  # one row of the table, dense or packed (an untied table's codes)
+        e = model.embed.weight
+        total += (
+            e.nbytes // e.shape[0] if isinstance(e, PackedWeight) else e.shape[1] * e.element_size()
+        )
     return total
 
 

@@ -56,11 +56,17 @@ def random_blocks(rows: int, cols: int, t: T, rng: np.random.Generator) -> np.nd
 
 
 def write_random_gguf(
-    path: str | Path, cfg: ModelConfig | str = "llama-3.1-8b", n_layers: int | None = None, seed=0
+    path: str | Path,
+    cfg: ModelConfig | str = "llama-3.1-8b",
+    n_layers: int | None = None,
+    seed=0,
+    vocab: bool = False,
 ) -> Path:
     """Write ``cfg``'s shapes (``n_layers`` of its layers, all by default) as a llama GGUF file
     of random Q4_K_M-style blocks; float32 norms. Tensor by tensor, so the writer never holds
-    more than one matrix."""
+    more than one matrix. ``vocab``: also a SentencePiece-style vocabulary of the model's size
+    (the 256 byte tokens, then made-up pieces), so that tools that need one (llama.cpp, the
+    benchmarks' prompts) run on the file."""
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     cfg = cfg.replace(rope_scaling=None, n_layers=n_layers or cfg.n_layers)
     path = Path(path)
@@ -98,6 +104,8 @@ def write_random_gguf(
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id or 0)
     w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 0)
+    if vocab:
+        _add_vocab(w, cfg.vocab_size)
     types = {}
     for name, shape, layer in shapes:
         t = T.F32 if len(shape) == 1 else q4_k_m_type(name.rpartition(".")[2], layer)
@@ -120,3 +128,25 @@ def write_random_gguf(
             w.write_tensor_data(random_blocks(shape[0], shape[1], types[name], rng))
     w.close()
     return path
+
+
+def _add_vocab(w: gguf.GGUFWriter, size: int) -> None:
+    """A SentencePiece ("llama") vocabulary of ``size`` pieces: ``<unk>``, ``<s>``, ``</s>``, the
+    256 byte tokens ``<0x00>`` ... ``<0xFF>``, then ``▁`` and letters' pairs and numbered pieces
+    with falling scores. It decodes any text (through the bytes) and encodes it reproducibly."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    kinds = [2, 3, 3] + [6] * 256  # unknown, control, control, byte
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["\u2581"] + [f"\u2581{a}" for a in letters] + [a + b for a in letters for b in letters]
+    words += [f"\u2581w{i}" for i in range(size - len(pieces) - len(words))]
+    pieces += words[: size - len(pieces)]
+    kinds += [1] * (size - len(kinds))
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(size - 259)])
+    w.add_token_types(kinds)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    # a plain template: the messages' text, one per line, then the answer
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
