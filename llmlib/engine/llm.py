@@ -43,9 +43,8 @@ class LLM:
     >>> outs = llm.generate(["Hi", "Once upon"], SamplingParams(max_tokens=32, temperature=0))
 
     ``model`` may also be a loaded :class:`llmlib.model.Transformer` (then pass ``tokenizer``, or
-    give prompts as token ids). ``num_blocks`` sizes the KV pool (default: ``kv_cache_bytes`` worth,
-    from the memory left after loading: 1 GiB on a CPU or half the memory left if less, most of
-    the free memory on a GPU; never more than ``max_num_seqs`` full-length sequences need).
+    give prompts as token ids). ``num_blocks`` sizes the KV pool (default: from the memory left after
+    loading, :func:`llmlib.engine.load.default_num_blocks`, or ``kv_cache_bytes`` worth).
     ``max_num_batched_tokens`` is the per-step token budget.
 
     ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
