@@ -61,11 +61,12 @@ class GroupCodes:
     offset per group, which is what most of a GGUF file's block types are once their constants
     are multiplied out (:mod:`llmlib.checkpoints.repack`).
 
-    ``unit`` (optional, float32 ``[N, K/256]``) says how the scales were made: a GGUF k-quant
-    block of 256 weights has one float16 ``d`` and a small integer per group, and its scales are
-    their products, ``scale = unit * integer``. A kernel can then keep the integers in a byte and
-    the units apart instead of a float32 per group (products of two float16 numbers' worth of
-    bits do not fit a float16)."""
+    ``unit`` and ``steps`` (optional, together) say how the scales were made: a GGUF k-quant
+    block of 256 weights has one float16 ``d`` (``unit``, float32 ``[N, K/256]``) and a small
+    integer per group (``steps``, int8 ``[N, K/group]``), and its scales are their products,
+    ``scale = unit * steps``, exactly. A kernel can then keep the steps in a byte and the units
+    apart instead of a float32 per group (products of two float16 numbers' worth of bits do not
+    fit a float16)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -73,6 +74,7 @@ class GroupCodes:
     group_size: int
     bits: int = 4
     unit: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
     #: weights per ``unit``: a k-quant super-block
     UNIT = 256
@@ -99,14 +101,15 @@ class GroupCodes:
                 f"cannot fuse matrices with different (group size, bits) {sorted(kinds)}"
             )
         g, bits = kinds.pop()
-        units = [p.unit for p in parts]
+        factored = all(p.unit is not None and p.steps is not None for p in parts)
         return GroupCodes(
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
             g,
             bits,
-            None if any(u is None for u in units) else torch.cat(units),
+            torch.cat([p.unit for p in parts]) if factored else None,
+            torch.cat([p.steps for p in parts]) if factored else None,
         )
 
 

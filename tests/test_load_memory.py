@@ -5,6 +5,8 @@ the load, its peak during the load, and the bytes the format stores."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llmlib.bench.gguf_synth import write_random_gguf
@@ -32,13 +34,29 @@ def test_smollm2_loads_within_its_bound(quantization) -> None:
         assert r["peak"] <= PEAK * path.stat().st_size + FIXED, r
 
 
-def test_an_8b_models_shapes_stream_in(tmp_path) -> None:
-    """Two layers of Llama-3.1-8B's shapes, with its 128,256-row table and LM head, in random
-    Q4_K/Q6_K blocks (about 1 GB): the table and the head, each half a billion weights, are
-    packed a slice of rows at a time, so the load never holds one of them twice. The peak stays
-    within 1.3x of the file, though this file is the worst case of a Q4_K_M mix: its Q6_K head,
-    kept in a byte a weight, is a quarter of it (it is a tenth of the whole 8B model's file)."""
-    path = write_random_gguf(tmp_path / "8b-2-layers.gguf", "llama-3.1-8b", n_layers=2)
+#: the whole 8B model (32 layers, a 4.9 GB file, about 3 min and 6 GB of memory here) runs only
+#: when asked: ``LLMLIB_TEST_BIG=1`` (``make test-big``); two layers of it run always
+LAYERS = [
+    2,
+    pytest.param(
+        32,
+        marks=pytest.mark.skipif(
+            os.environ.get("LLMLIB_TEST_BIG") != "1", reason="the whole 8B file: LLMLIB_TEST_BIG=1"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("n_layers", LAYERS)
+def test_an_8b_models_shapes_stream_in(tmp_path, n_layers) -> None:
+    """Llama-3.1-8B's shapes, with its 128,256-row table and LM head, in random Q4_K/Q6_K blocks
+    (two layers: about 1 GB): the table and the head, each half a billion weights, are packed a
+    slice of rows at a time, so the load never holds one of them twice. The peak stays within
+    1.3x of the file, though two layers are the worst case of a Q4_K_M mix: the Q6_K head, kept
+    in a byte a weight, is a quarter of that file (a tenth of the whole model's)."""
+    path = write_random_gguf(
+        tmp_path / f"8b-{n_layers}-layers.gguf", "llama-3.1-8b", n_layers=n_layers
+    )
     size = path.stat().st_size
     try:
         r = load_memory(path, "float32", "gguf", threads=2)

@@ -43,13 +43,13 @@ def _codes8(
     zero = torch.randn(n, k // group, generator=gen) * 0.05 * offsets
     if half:
         scale, zero = scale.half().float(), zero.half().float()
-    unit = None
+    unit = ints = None
     if units:
         unit = (torch.rand(n, k // 256, generator=gen) * 1e-3 + 1e-4).half().float()
         unit[0, 0] = 0.0  # an all-zero block (d = 0) is a real file's too
-        ints = torch.randint(-128, 128, (n, k // group), generator=gen).float()
-        scale = unit.repeat_interleave(256 // group, dim=1) * ints
-    return GroupCodes(q, scale, zero, group, bits=8, unit=unit)
+        ints = torch.randint(-128, 128, (n, k // group), generator=gen).to(torch.int8)
+        scale = unit.repeat_interleave(256 // group, dim=1) * ints.float()
+    return GroupCodes(q, scale, zero, group, bits=8, unit=unit, steps=ints)
 
 
 def test_int8_tiles_read_back_to_the_codes() -> None:

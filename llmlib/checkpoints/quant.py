@@ -134,12 +134,18 @@ class Blocks:
     """A block format's numbers taken apart, nothing multiplied out: integers ``q`` (int8,
     ``[n_blocks, block_size]``, from ``low`` up) and, per group of ``block_size / G`` consecutive
     values, float32 ``scale`` and ``shift`` (``[n_blocks, G]``; ``shift`` None where the format
-    has none): ``x = scale * q + shift``."""
+    has none): ``x = scale * q + shift``.
+
+    A k-quant's scales are products, ``scale = unit * steps``: the block's float16 ``d``
+    (``unit``, float32 ``[n_blocks, 1]``) times a small integer per group (``steps``, int8). The
+    takers keep both, so a kernel can store a byte per group instead of a float32."""
 
     q: np.ndarray
     scale: np.ndarray
     shift: np.ndarray | None
     low: int  # the smallest value q can hold: -8 for Q4_0, 0 for Q4_1, -32 for Q6_K, ...
+    unit: np.ndarray | None = None
+    steps: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[n_blocks, block_size]``, in the reference's order of operations."""
@@ -200,11 +206,15 @@ def _q5_1(b: np.ndarray) -> Blocks:
     return Blocks(_signed(_q5(b), 0), _f16(b[:, :2]), _f16(b[:, 2:4]), 0)
 
 
-def _dmin_k(b: np.ndarray, d: int, dmin: int, sc: np.ndarray, mn: np.ndarray) -> tuple:
-    """Sub-block scales ``d * s`` and shifts ``-(dmin * m)`` in float32, as llama.cpp forms them,
-    from the float16 ``d`` and ``dmin`` at byte offsets ``d`` and ``dmin`` of each block."""
-    scale = _f16(b[:, d : d + 2]) * sc.astype(np.float32)
-    return scale, -(_f16(b[:, dmin : dmin + 2]) * mn.astype(np.float32))
+def _k_blocks(
+    q: np.ndarray, low: int, b: np.ndarray, d: int, steps: np.ndarray, dmin=None, mins=None
+) -> Blocks:
+    """A k-quant's :class:`Blocks`: group scales ``d * steps`` and shifts ``-(dmin * mins)`` in
+    float32, as llama.cpp forms them, from the float16 ``d`` and ``dmin`` at those byte offsets
+    of each block (no shifts where ``dmin`` is None)."""
+    unit, steps = _f16(b[:, d : d + 2]), steps.view(np.int8)  # every step is below 128
+    shift = None if dmin is None else -(_f16(b[:, dmin : dmin + 2]) * mins.astype(np.float32))
+    return Blocks(q, unit * steps.astype(np.float32), shift, low, unit, steps)
 
 
 def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -217,32 +227,29 @@ def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q2_k(b: np.ndarray) -> Blocks:
     sm = b[:, :16]
-    scale, shift = _dmin_k(b, 80, 82, sm & 15, sm >> 4)
-    return Blocks(_signed(_unpack(b[:, 16:80], 2, 32), 0), scale, shift, 0)
+    return _k_blocks(_signed(_unpack(b[:, 16:80], 2, 32), 0), 0, b, 80, sm & 15, 82, sm >> 4)
 
 
 def _q3_k(b: np.ndarray) -> Blocks:
     q = _unpack(b[:, 32:96], 2, 32) | _unpack(b[:, :32], 1, 32) << np.uint8(2)
     s = _unpack(b[:, 96:104], 4, 8) | _unpack(b[:, 104:108], 2, 4) << np.uint8(4)
-    scale = _f16(b[:, 108:110]) * _signed(s, 32).astype(np.float32)
-    return Blocks(_signed(q, 4), scale, None, -4)
+    return _k_blocks(_signed(q, 4), -4, b, 108, _signed(s, 32))
 
 
 def _q4_k(b: np.ndarray) -> Blocks:
-    scale, shift = _dmin_k(b, 0, 2, *_scale_min_k4(b))
-    return Blocks(_signed(_unpack(b[:, 16:], 4, 32), 0), scale, shift, 0)
+    sc, mn = _scale_min_k4(b)
+    return _k_blocks(_signed(_unpack(b[:, 16:], 4, 32), 0), 0, b, 0, sc, 2, mn)
 
 
 def _q5_k(b: np.ndarray) -> Blocks:
-    scale, shift = _dmin_k(b, 0, 2, *_scale_min_k4(b))
+    sc, mn = _scale_min_k4(b)
     q = _unpack(b[:, 48:], 4, 32) | _unpack(b[:, 16:48], 1, 32) << np.uint8(4)
-    return Blocks(_signed(q, 0), scale, shift, 0)
+    return _k_blocks(_signed(q, 0), 0, b, 0, sc, 2, mn)
 
 
 def _q6_k(b: np.ndarray) -> Blocks:
     q = _unpack(b[:, :128], 4, 64) | _unpack(b[:, 128:192], 2, 32) << np.uint8(4)
-    scale = _f16(b[:, 208:210]) * _int8(b[:, 192:208]).astype(np.float32)
-    return Blocks(_signed(q, 32), scale, None, -32)
+    return _k_blocks(_signed(q, 32), -32, b, 208, _int8(b[:, 192:208]))
 
 
 _TAKE_APART = {

@@ -45,14 +45,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmlib.checkpoints import quant
 from llmlib.checkpoints.quant import BlockFormat, as_bytes, block_format, take_apart
 from llmlib.quantize import GroupCodes
 
 #: the block types whose codes are 4 bits (the int4 kernels' layout); every other one is 8 bits
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-#: where each k-quant block keeps its float16 ``d``: its group scales are ``d`` times integers
-UNIT_OFFSET = {"Q2_K": 80, "Q3_K": 108, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
 
 
 def code_format(kind: str, name: str = "tensor") -> BlockFormat:
@@ -87,10 +84,10 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
         q = parts.q.view(np.uint8) ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
         zero, bits = shift, 8
     k = width // fmt.block_bytes * fmt.block_size
-    unit = None
-    if kind in UNIT_OFFSET:  # k-quants: each block's float16 d times an integer per group
-        unit = quant._f16(parts_raw[:, UNIT_OFFSET[kind] : UNIT_OFFSET[kind] + 2]).reshape(rows, -1)
-        unit = torch.from_numpy(unit)
+    unit = steps = None
+    if parts.unit is not None:  # k-quants: each block's float16 d times an integer per group
+        unit = torch.from_numpy(parts.unit.reshape(rows, -1))
+        steps = torch.from_numpy(parts.steps.reshape(rows, -1))
     return GroupCodes(
         torch.from_numpy(q.view(np.uint8).reshape(rows, k)),
         torch.from_numpy(parts.scale.reshape(rows, -1)),
@@ -98,6 +95,7 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
         fmt.group,
         bits,
         unit,
+        steps,
     )
 
 
@@ -109,13 +107,14 @@ def widen(c: GroupCodes, bits: int, group_size: int) -> GroupCodes:
             f"cannot hold {c.bits}-bit codes in groups of {c.group_size} as {bits}-bit codes in "
             f"groups of {group_size}"
         )
-    q, scale, zero = c.q, c.scale, c.zero
+    q, scale, zero, steps = c.q, c.scale, c.zero, c.steps
     if bits != c.bits:
         q = q + ((1 << (bits - 1)) - c.offset)  # 4 -> 8 bits: + 120, so c - 8 = (c + 120) - 128
     if group_size != c.group_size:
         r = c.group_size // group_size
         scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
-    return GroupCodes(q, scale, zero, group_size, bits, c.unit)
+        steps = None if steps is None else steps.repeat_interleave(r, dim=1)
+    return GroupCodes(q, scale, zero, group_size, bits, c.unit, steps)
 
 
 def fuse(codes: list[GroupCodes]) -> GroupCodes:

@@ -268,16 +268,13 @@ UNIT = GroupCodes.UNIT
 
 
 def _factored(codes: GroupCodes) -> torch.Tensor | None:
-    """The integers ``i`` (int8) with ``scale == unit * i`` exactly, group by group, where the
-    codes carry their units (GGUF k-quants) and the products are exactly that; else None."""
-    k = codes.shape[1]
-    if codes.unit is None or k % UNIT or UNIT % codes.group_size:
+    """The int8 steps with ``scale == unit * steps``, group by group, where the codes carry them
+    (GGUF k-quants: :class:`GroupCodes`) and their groups tile the units; else None."""
+    if codes.unit is None or codes.steps is None:
         return None
-    unit = codes.unit.float().repeat_interleave(UNIT // codes.group_size, dim=1)
-    i = torch.where(unit != 0, codes.scale.float() / unit, torch.zeros_like(unit)).round()
-    if i.min() < -128 or i.max() > 127 or not torch.equal(i * unit, codes.scale.float()):
+    if codes.shape[1] % UNIT or UNIT % codes.group_size:
         return None
-    return i.to(torch.int8)
+    return codes.steps
 
 
 def _exact_half(c: torch.Tensor) -> bool:
