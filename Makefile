@@ -44,12 +44,16 @@ lint: venv
 	$(BIN)/ruff check llmlib tests benchmarks
 	$(BIN)/ruff format --check llmlib tests benchmarks
 
-# Unit tests and the checks against reference libraries (transformers, tokenizers, tiktoken).
+# Unit tests and the checks against reference libraries (transformers, tokenizers, tiktoken), in
+# WORKERS pytest-xdist processes of one torch thread each (tests/conftest.py): on two cores that
+# takes about two thirds of the time one process with two threads does, as many tests leave a
+# core idle. tests/test_threads.py runs every kernel on one thread and on two.
+WORKERS ?= 2
 unit: venv fetch
-	$(BIN)/python -m pytest -q -m "not pages" -p no:cacheprovider --durations=25
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not pages" -p no:cacheprovider --durations=25
 
 # The one test too big for `make test`: a whole 8B-shaped Q4_K_M file (4.9 GB in a temporary
-# folder, removed after) loads within 1.3x of its size and decodes. About 4 min and 6 GB here.
+# folder, removed after) loads within 1.3x of its size and decodes. About 2 min and 6 GB here.
 test-big: venv
 	LLMLIB_TEST_BIG=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_load_memory.py -k 8b
 

@@ -35,3 +35,14 @@ def hf_smollm2(smollm2_path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     ).eval()
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker keeps to one torch thread: two workers then share the two
+    cores instead of four threads fighting over them."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def test_smollm2_loads_within_its_bound(quantization) -> None:
         assert r["peak"] <= PEAK * path.stat().st_size + FIXED, r
 
 
-#: the whole 8B model (32 layers, a 4.9 GB file, about 3 min and 6 GB of memory here) runs only
+#: the whole 8B model (32 layers, a 4.9 GB file, about 2 min and 6 GB of memory here) runs only
 #: when asked: ``LLMLIB_TEST_BIG=1`` (``make test-big``); two layers of it run always
 LAYERS = [
     2,
