@@ -132,8 +132,9 @@ class Generator:
         self.last_result: GenerationResult | None = None
         # The decode step: eager (the reference the book reads), or compiled (inductor fuses each
         # layer's small operators into a few C++/Triton kernels). A model loaded from a file, on a
-        # CPU, compiles ahead of time once per machine and loads the compiled step from disk on
-        # every later start (llmlib.runtime.aot); otherwise torch.compile compiles it in memory,
+        # CPU, in float32 or bfloat16, compiles ahead of time once per machine and loads the
+        # compiled step from disk on every later start (llmlib.runtime.aot); otherwise
+        # torch.compile compiles it in memory,
         # lazily, on the first request (llmlib.runtime.compile). ``compile_s`` is what compiling
         # cost this process; ``decode_path`` says which step runs.
         self.compile = bool(compile)
@@ -154,7 +155,8 @@ class Generator:
         from llmlib.runtime import aot
         from llmlib.runtime.compile import compile_options
 
-        if self.device.type == "cpu" and compile_options(model) is None:
+        # float32 (inductor's defaults) or all-bfloat16 (a frozen package) on the CPU
+        if self.device.type == "cpu" and (compile_options(model) is None or aot.freezes(model)):
             t0 = time.perf_counter()
             step, cached = aot.load_decode_step(model, log=aot.print_progress)
             if step is not None:

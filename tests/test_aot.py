@@ -93,3 +93,29 @@ def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> Non
         )
         assert again.runner.decode_path == "compiled (from the cache)"
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path) -> None:
+    """All-bfloat16 weights on the CPU: the package is frozen (inductor re-stores the matrices and
+    picks its GEMMs, as the in-memory step does), holds those constants itself, and the next
+    engine loads it; a quantized or float32 model's package stays code only."""
+    prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
+    params = llmlib.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8)
+    with forced(cache=tmp_path):
+        assert not aot.freezes(llmlib.load_model(model_file, "cpu", "float32"))
+        assert not aot.freezes(llmlib.load_model(model_file, "cpu", "bfloat16", "int8"))
+        model = llmlib.load_model(model_file, "cpu", "bfloat16")
+        assert aot.freezes(model)
+        eager = llmlib.LLM(model, Tok(), **kw).generate(prompts, params, use_tqdm=False)
+        first = llmlib.LLM(model, Tok(), compile=True, **kw)
+        assert first.runner.decode_path == "compiled (now, cached)"
+        assert len(list((tmp_path / "compiled").glob("engine-bs4-frozen-*.pt2"))) == 1
+        got = [o.token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+        same = sum(a == b for o, g in zip(eager, got) for a, b in zip(o.token_ids, g))
+        assert same >= 0.9 * sum(len(g) for g in got)  # bfloat16: another GEMM may round apart
+        again = llmlib.LLM(
+            llmlib.load_model(model_file, "cpu", "bfloat16"), Tok(), compile=True, **kw
+        )
+        assert again.runner.decode_path == "compiled (from the cache)"
+        assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == got

@@ -8,6 +8,12 @@ loads that library in any later process. Here the package holds code only: the w
 model's own tensors, handed to the loaded step by name (``load_constants(..., user_managed=True)``),
 so loading a compiled step adds no copy of the model.
 
+A step whose weights are all bfloat16 matrices on the CPU is the exception: its package is
+*frozen* (:func:`freezes`), as the in-memory step is (:mod:`llmlib.runtime.compile`). Freezing
+lets inductor re-store each matrix in oneDNN's blocked layout and pick its own GEMM kernels, so
+the package then holds its own copy of the weights, as a frozen graph in memory does. Integer
+matrices are read by llmlib's own kernels as they are: a quantized model's package stays code only.
+
 A package is found again by its key (:func:`step_key`): the model file's SHA-256 (computed once
 per file and remembered beside the cache), how the weights are stored here
 (``model.weight_format``), the step's kind, torch's and llmlib's versions, and the CPU's choices
@@ -35,7 +41,7 @@ import torch
 from torch import nn
 
 #: bumped when what a package holds changes meaning
-VERSION = 2
+VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -120,6 +126,23 @@ def load_kernels() -> None:
         kernel.available()
 
 
+def freezes(model: nn.Module) -> bool:
+    """Whether ``model``'s compiled steps are frozen, their weights constants of the package: on
+    the CPU, where every matrix is bfloat16 (plain, or oneDNN's layout, which
+    :func:`llmlib.runtime.compile.plain_bfloat16` turns back into plain before tracing)."""
+    from llmlib.kernels.onednn import OneDNNWeight
+    from llmlib.kernels.prepare import weight_matrices
+    from llmlib.runtime.compile import compile_options
+
+    if compile_options(model) is None:
+        return False
+    mats = [m.weight for m in weight_matrices(model).values()]
+    return bool(mats) and all(
+        isinstance(w, OneDNNWeight) or (isinstance(w, nn.Parameter) and w.dtype == torch.bfloat16)
+        for w in mats
+    )
+
+
 def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in module.named_parameters()}
     out.update({n: b for n, b in module.named_buffers()})
@@ -136,7 +159,14 @@ def load_step(
     """``wrapper``'s package for ``model`` loaded from disk, compiled first by ``compile(path)``
     if there is none: ``(loaded, cached)``, or ``(None, False)`` where the model has no key or the
     step cannot be compiled ahead of time here (the caller then compiles in memory). The loaded
-    step reads the model's own tensors (``user_managed``): no copy of the weights."""
+    step reads the model's own tensors (``user_managed``): no copy of the weights, except in a
+    frozen package (:func:`freezes`), which holds its own."""
+    frozen = freezes(model)
+    if frozen:
+        from llmlib.runtime.compile import plain_bfloat16
+
+        plain_bfloat16(model)  # the graph sees plain matrices, and re-stores them itself
+        kind += "-frozen"
     key = step_key(model, kind)
     if key is None:
         return None, False
@@ -147,11 +177,12 @@ def load_step(
         if not cached:
             compile(path)
         loaded = torch._inductor.aoti_load_package(str(path))
-        consts = _constants(wrapper)
-        names = loaded.get_constant_fqns()
-        loaded.load_constants(
-            {n: consts[n] for n in names}, check_full_update=True, user_managed=True
-        )
+        if not frozen:
+            consts = _constants(wrapper)
+            names = loaded.get_constant_fqns()
+            loaded.load_constants(
+                {n: consts[n] for n in names}, check_full_update=True, user_managed=True
+            )
     except Exception as e:  # an op or layout AOTInductor cannot take here: compile in memory
         if log is not None:
             log(f"llmlib: this step ({kind}) cannot be compiled ahead of time here ({e!s:.200})")
@@ -192,7 +223,15 @@ def _compile(wrapper: _DecodeStep, model: nn.Module, path: Path, log) -> None:
 
 def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str) -> None:
     """Trace ``wrapper`` with ``torch.export`` and compile it into a package at ``path``
-    (written beside and renamed, so a crash never leaves half a package to be found)."""
+    (written beside and renamed, so a crash never leaves half a package to be found): code only,
+    or, for a frozen step (:func:`freezes`), with the in-memory step's inductor options and the
+    constants it makes of the weights."""
+    from llmlib.runtime.compile import compile_options
+
+    if freezes(model):
+        configs = {k: v for k, v in compile_options(model).items() if k != "cpp_wrapper"}
+    else:
+        configs = {"aot_inductor.package_constants_in_so": False}
     t0 = time.perf_counter()
     if log is not None:
         log(f"llmlib: compiling {what} for this machine, once ({expected(model, what)})...")
@@ -205,7 +244,7 @@ def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str)
         torch._inductor.aoti_compile_and_package(
             ep,
             package_path=str(tmp),
-            inductor_configs={"aot_inductor.package_constants_in_so": False},
+            inductor_configs=configs,
         )
     tmp.replace(path)
     _remember_time(model, what, time.perf_counter() - t0)
