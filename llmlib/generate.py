@@ -134,9 +134,9 @@ class Generator:
         # layer's small operators into a few C++/Triton kernels). A model loaded from a file, on a
         # CPU, in float32 or bfloat16, compiles ahead of time once per machine and loads the
         # compiled step from disk on every later start (llmlib.runtime.aot); otherwise
-        # torch.compile compiles it in memory,
-        # lazily, on the first request (llmlib.runtime.compile). ``compile_s`` is what compiling
-        # cost this process; ``decode_path`` says which step runs.
+        # torch.compile compiles it in memory, lazily, on the first request
+        # (llmlib.runtime.compile). ``compile_s`` is what compiling cost this process;
+        # ``decode_path`` says which step runs.
         self.compile = bool(compile)
         self._step = decode_step
         self.compile_s: float | None = None
