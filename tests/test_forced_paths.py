@@ -214,7 +214,12 @@ def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt
         got = [gen.generate(p, max_new_tokens=NEW, ignore_eos=True).token_ids for p in PROMPTS]
         assert got == tokens, (fmt, _name(path), "compiled generator")
         got, llm = _engine_tokens(m, compile=True)
-        assert llm.runner.decode_path.startswith("compiled"), llm.runner.decode_path
+        # a model from a file: the engine's step is a package on disk, not compiled at each start;
+        # except with PyTorch's weight-only int4/int8 kernels, whose packed copies inductor makes
+        # while compiling, which a code-only package cannot name (it compiles in memory)
+        on_disk = ("compiled (now, cached)", "compiled (from the cache)")
+        if path.get("integer") != "off":
+            assert llm.runner.decode_path in on_disk, llm.runner.decode_path
         assert got == tokens, (fmt, _name(path), "compiled engine")
         assert llm.runner.graphs.static_steps > 0
 

@@ -74,5 +74,6 @@ def run_continuous(
         "stats": st,
         "pool_blocks": st.num_blocks,
         "peak_used_blocks": st.peak_used_blocks,
-        "compile_s": llm.compile_s,
+        "compile_s": llm.compile_s,  # None: not compiled, or loaded from the disk cache
+        "decode_path": llm.runner.decode_path,
     }

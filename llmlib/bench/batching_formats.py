@@ -107,13 +107,17 @@ def run(
             compiled.add(name)
         before = rss_anon()
         warm = run_continuous(m, tok, requests[:4], *engine, compile=comp)  # warm up (compile)
-        if comp:
-            rows[name]["compile_s"] = round(warm["compile_s"], 1)
+        if comp:  # compile_s None: the step came from its package on disk
+            rows[name]["decode_path"] = warm["decode_path"]
+            rows[name]["compile_s"] = warm["compile_s"] and round(warm["compile_s"], 1)
             grown = rss_anon()
             if before is not None and grown is not None:  # the constants the frozen graph owns
                 rows[name]["compile_resident_bytes"] = grown - before
         rows[name]["weight_format"] = fmt = getattr(m, "weight_format", dtype)
-        log(f"loaded {name}: {fmt}" + (f", compiled in {warm['compile_s']:.0f} s" if comp else ""))
+        how = f", {warm['decode_path']}" if comp else ""
+        if comp and warm["compile_s"] is not None:
+            how += f", compiled in {warm['compile_s']:.0f} s"
+        log(f"loaded {name}: {fmt}{how}")
     total = sum(r.max_tokens for r in requests)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in models}
     for i in range(repeats):
@@ -198,10 +202,13 @@ def print_table(res: dict[str, Any]) -> None:
     )
     print(f"{'format':<16}{'tok/s':>9}{'x float32':>11}{'tokens = fp32':>15}{'ppl/fp32':>10}")
     for r in res["formats"]:
-        ppl = r.get("perplexity_vs_float32")
+        ppl, vs, same = (
+            r.get(k) for k in ("perplexity_vs_float32", "vs_float32", "same_tokens_as_float32")
+        )  # absent without a float32 row: left blank, not printed as zero
         print(
-            f"{r['name']:<16}{r['continuous_tokens_per_s']:>9.1f}{r.get('vs_float32', 0):>11.2f}"
-            f"{r.get('same_tokens_as_float32', 0):>15.1%}{'' if ppl is None else f'{ppl:.4f}':>10}"
+            f"{r['name']:<16}{r['continuous_tokens_per_s']:>9.1f}"
+            f"{'-' if vs is None else f'{vs:.2f}':>11}{'-' if same is None else f'{same:.1%}':>15}"
+            f"{'' if ppl is None else f'{ppl:.4f}':>10}"
         )
     for p in res["peers"]:
         vs = p.get("llmlib_vs_vllm")

@@ -132,7 +132,7 @@ def unpack_int8(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
     """int8 codes ``[*ids, K]`` of rows ``ids`` from :func:`pack_int8`'s tiles."""
     t = w.view(-1, k // 4, TILE, 4)
     flat = ids.reshape(-1)
-    rows = t[flat // TILE, :, flat % TILE, :].reshape(len(flat), k)
+    rows = t[flat // TILE, :, flat % TILE, :].reshape(-1, k)  # len() would fix the row count
     return (rows.to(torch.int16) - 128).to(torch.int8).view(*ids.shape, k)
 
 
