@@ -17,6 +17,9 @@ import torch
 from llmlib.analysis.invariance import measure
 from llmlib.config import ModelConfig
 from llmlib.engine import LLM
+from llmlib.engine.invariant import InvariantStep
+from llmlib.kernels import paged_attention
+from llmlib.kernels.flags import forced
 from llmlib.kernels.prepare import prepare
 from llmlib.kernels.weights import Float32Weight, RowTiles
 from llmlib.model import random_model
@@ -50,7 +53,17 @@ def model(request):
     return tiny(request.param)
 
 
-def test_every_case_is_bitwise_identical_in_batch_invariant_mode(model):
+@pytest.fixture(params=[True, False], ids=["kernel", "tiles"])
+def attention(request):
+    """The invariant attention under each forced path: the paged kernel (one query per row, its
+    keys in an order fixed by its position) and the tiled PyTorch loop used where it cannot run."""
+    if request.param and not paged_attention.available():
+        pytest.skip("the paged attention kernel cannot run on this machine")
+    with forced(paged_kernel=request.param):
+        yield request.param
+
+
+def test_every_case_is_bitwise_identical_in_batch_invariant_mode(model, attention):
     res = measure(engine(model, True), prompts(), max_tokens=12, cases=CASES)
     for case, r in res.items():
         assert r.requests > 0, case  # the preemption case really preempted someone
@@ -64,7 +77,7 @@ def test_the_default_mode_differs_somewhere(model):
     assert any(r.identical_share < 1.0 for r in res.values())
 
 
-def test_batch_invariant_logits_match_the_default_mode_closely():
+def test_batch_invariant_logits_match_the_default_mode_closely(attention):
     # the invariant attention is attention: same numbers as the default path up to rounding
     _same_as_default_mode(tiny(torch.float32), prompts(6), max_tokens=6, logprobs=3)
 
@@ -85,7 +98,7 @@ def _same_as_default_mode(m, ps, max_tokens: int, logprobs: int) -> None:
     [{"sliding_window": 24}, {"attn_softcap": 5.0, "attn_scale": 0.2}],
     ids=["window", "softcap"],
 )
-def test_family_options_in_the_invariant_attention(extra):
+def test_family_options_in_the_invariant_attention(extra, attention):
     cfg = ModelConfig(**{**CFG.__dict__, **extra})
     m = tiny(torch.float32, cfg)
     ps = prompts(4)
@@ -161,3 +174,19 @@ def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
                 assert seen[key].method == "ngram" and seen[key].num_speculative_tokens == 4
         else:
             assert seen[key] is want
+
+
+def test_the_forced_path_is_the_one_that_runs(attention):
+    """Under the kernel, a step plans one query per row (flat index, block table, key count);
+    under the tiles, it plans tiles: so each parametrization above tests the path it names."""
+    from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+
+    cache = PagedKVCache(1, 8, 2, 4, 16)
+    step = InvariantStep(cache, [[SeqChunk([0, 3], 2, 5)], [SeqChunk([1], 0, 1)]])
+    if attention:
+        index, table, lens = step.rows_plan
+        assert index.tolist() == [0, 1, 2, 3, 4, 5] and lens.tolist() == [3, 4, 5, 6, 7, 1]
+        assert table.tolist() == [[0, 3]] * 5 + [[1, 0]]
+        assert step.tiles is None
+    else:
+        assert step.rows_plan is None and step.tiles is not None

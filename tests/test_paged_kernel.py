@@ -178,3 +178,31 @@ def test_reference_is_plain_attention() -> None:
     vd = v[table.view(-1)].view(1, -1, 2, 16)[:, :10].transpose(1, 2)
     sd = F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(_reference(q, k, v, table, lens).float(), sd, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 21])
+def test_a_querys_sums_do_not_depend_on_the_block_size(window) -> None:
+    """The same keys in pools of 4-, 16- and 7-key blocks give bitwise the same output: the
+    kernel's chunks of keys follow the query's position, not the blocks (the batch-invariant
+    mode runs the same request in pools of different block sizes)."""
+    g = torch.Generator().manual_seed(3)
+    n, H, hkv, D, L = 3, 6, 2, 32, 70
+    keys = torch.randn(n, L, hkv, D, generator=g)
+    vals = torch.randn(n, L, hkv, D, generator=g)
+    q = torch.randn(n, H, D, generator=g)
+    lens = torch.tensor([70, 33, 5])
+    outs = []
+    for bs in (4, 16, 7):
+        nb = -(-L // bs)
+        perm = torch.randperm(n * nb, generator=g)  # the blocks scattered over the pool
+        table = perm.view(n, nb).contiguous()
+        pad = torch.zeros(n, nb * bs - L, hkv, D)
+        k = torch.empty(n * nb, bs, hkv, D)
+        v = torch.empty(n * nb, bs, hkv, D)
+        k[table.view(-1)] = torch.cat([keys, pad], 1).view(n * nb, bs, hkv, D)
+        v[table.view(-1)] = torch.cat([vals, pad], 1).view(n * nb, bs, hkv, D)
+        outs.append(paged_kernel.decode_attention(q, k, v, table, lens, window=window))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = _reference(q, k, v, table, lens, window=window)
+    assert torch.allclose(outs[2].double(), ref, atol=1e-5)

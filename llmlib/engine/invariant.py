@@ -17,8 +17,11 @@ mode:
   (:func:`llmlib.kernels.prepare.row_tiled`): the kernel always sees the same shape, and row ``i``
   of a product depends only on row ``i`` of its input;
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
-* attention (:class:`InvariantStep`) cuts every sequence's queries into tiles of ``Q_TILE``
-  positions aligned to absolute positions (position ``p`` is always row ``p % Q_TILE`` of its
+* attention (:class:`InvariantStep`), where the paged kernel runs
+  (:mod:`llmlib.kernels.paged_attention`), takes each query on its own: its keys, from its window's
+  start to its position, in chunks fixed by that position and the block size, so a query's sums
+  depend on nothing else in the step. Elsewhere it cuts every sequence's queries into tiles of
+  ``Q_TILE`` positions aligned to absolute positions (position ``p`` is always row ``p % Q_TILE`` of its
   tile), and walks the keys from position 0 in tiles of ``K_TILE`` with an online softmax, each
   query tile only as far as its last query's position. A query's sums then depend only on its
   position and its sequence's keys: not on how its prompt was chunked, whether it is a prompt
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
+from llmlib.kernels.paged_attention import decode_attention
 from llmlib.model.attention import AttentionSpec, soft_cap
 
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
@@ -75,8 +79,35 @@ class InvariantStep(PagedStep):
     ) -> None:
         super().__init__(cache, rows)
         self.q_tile, self.k_tile = q_tile, k_tile
-        self.tiles = self._plan()
+        # the kernel walks each query's keys from its window's start in an order fixed by its
+        # position alone; without it, the tiled loop below does in PyTorch
+        self.rows_plan = self._rows() if cache.kernel else None
+        self.tiles = None if self.rows_plan else self._plan()
         self._windowed: dict[int, list[torch.Tensor]] = {}
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For :func:`~llmlib.kernels.paged_attention.decode_attention`, one query per row: each
+        real token's flat index, its sequence's block table and its key count (position + 1)."""
+        bs = self.cache.block_size
+        T = self.shape[1]
+        index, tables, lens = [], [], []
+        for b, row in enumerate(self.rows):
+            t0 = 0
+            for c in row:
+                end = c.start + c.length
+                blocks = torch.as_tensor([int(x) for x in c.block_table[: -(-end // bs)]])
+                index.append(b * T + t0 + torch.arange(c.length))
+                tables.append(blocks.expand(c.length, -1))
+                lens.append(torch.arange(c.start + 1, end + 1))
+                t0 += c.length
+        nb = max(t.shape[1] for t in tables)
+        table = torch.zeros((sum(len(i) for i in index), nb), dtype=torch.long)
+        i = 0
+        for t in tables:
+            table[i : i + len(t), : t.shape[1]] = t
+            i += len(t)
+        dev = self.cache.device
+        return torch.cat(index).to(dev), table.to(dev), torch.cat(lens).to(dev)
 
     def _plan(self) -> _Tiles:
         bs, qt, kt = self.cache.block_size, self.q_tile, self.k_tile
@@ -150,12 +181,29 @@ class InvariantStep(PagedStep):
         spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
     ) -> torch.Tensor:
-        """Write the new keys and values, then tiled attention for every query ``[B, H, T, hd]``.
+        """Write the new keys and values, then attention for every query ``[B, H, T, hd]``: by
+        the paged kernel, one query per row, where it runs; else by :meth:`attend_tiles`.
 
         ``spec`` is only read for its options (a family's ``scale``, ``softcap`` and ``window``);
-        the computation is this method's own, so that its order is fixed here.
+        the computation is this class's own, so that its order is fixed here.
         """
         write_kv(self.cache, self.layout, layer, k, v)
+        if self.rows_plan is None:
+            return self.attend_tiles(layer, q, spec)
+        B, H, T, D = q.shape
+        index, table, lens = self.rows_plan
+        rows = q.transpose(1, 2).reshape(B * T, H, D)[index]
+        o = decode_attention(
+            rows, self.cache.k[layer], self.cache.v[layer], table, lens,
+            scale=spec.scale, softcap=spec.softcap, window=spec.window,
+        )  # fmt: skip
+        out = q.new_zeros(B * T, H, D)
+        out[index] = o
+        return out.view(B, T, H, D).transpose(1, 2)
+
+    def attend_tiles(self, layer: int, q: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+        """Tiled online-softmax attention over keys already in the pool, each query tile pinned
+        to its positions and each key tile counted from position 0 (the portable path)."""
         window = spec.window
         B, H, T, D = q.shape
         Hkv, qt, kt = self.cache.n_kv_heads, self.q_tile, self.k_tile

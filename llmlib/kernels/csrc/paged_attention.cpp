@@ -144,25 +144,34 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
     sum[g] = 0.0f;
   }
   const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  const int64_t tok_stride = hkv * D;  // elements between consecutive tokens of a block
+  // Keys go in chunks of CHUNK counted from the window's start, whatever the block size: where
+  // the running softmax is rescaled then depends on the query's position alone, so a query gets
+  // the same sums in any pool (the batch-invariant mode relies on it). Each key's row is found
+  // through the table on its own, as a chunk may span blocks.
+  int64_t cur[CHUNK], nxt[CHUNK];  // element offset of each key's row (head h) in the pools
+  auto rows_of = [&](int64_t t, int64_t n, int64_t* r) {
+    int64_t b = t / bs, o = t % bs;  // block and slot of key t, then stepped key by key
+    for (int64_t j = 0; j < n; ++j) {
+      r[j] = ((blocks[b] * bs + o) * hkv + h) * D;
+      if (++o == bs) o = 0, ++b;
+    }
+  };
+  int64_t cnt = std::min(len - start, CHUNK);
+  rows_of(start, cnt, cur);
   for (int64_t t0 = start; t0 < len;) {
-    // up to CHUNK consecutive keys inside one block
-    const int64_t off = t0 % bs;
-    const int64_t cnt = std::min({bs - off, len - t0, CHUNK});
-    const int64_t base = ((blocks[t0 / bs] * bs + off) * hkv + h) * D;
-    const T* kp = kpool + base;
-    const T* vp = vpool + base;
-    if (t0 + cnt < len) {  // ask for the next keys and values now: the blocks lie anywhere
-      const int64_t o2 = (t0 + cnt) % bs, c2 = std::min({bs - o2, len - t0 - cnt, CHUNK});
-      const int64_t b2 = ((blocks[(t0 + cnt) / bs] * bs + o2) * hkv + h) * D;
-      prefetch_rows(kpool + b2, c2, tok_stride, D);
-      prefetch_rows(vpool + b2, c2, tok_stride, D);
+    const int64_t n2 = std::min(len - t0 - cnt, CHUNK);
+    if (n2 > 0) {  // ask for the next keys and values now: the blocks lie anywhere
+      rows_of(t0 + cnt, n2, nxt);
+      for (int64_t j = 0; j < n2; ++j) {
+        prefetch_rows(kpool + nxt[j], 1, 0, D);
+        prefetch_rows(vpool + nxt[j], 1, 0, D);
+      }
     }
     for (int64_t j = 0; j < cnt; ++j) {  // scores: every query head, one key at a time
       V16 part[G];
       for (int g = 0; g < G; ++g) part[g] = vset(0.0f);
       for (int64_t v = 0; v < nv; ++v) {
-        const V16 k = vload(kp + j * tok_stride + v * 16);
+        const V16 k = vload(kpool + cur[j] + v * 16);
         for (int g = 0; g < G; ++g) part[g] = vfma(vload(qf + g * D + v * 16), k, part[g]);
       }
       for (int g = 0; g < G; ++g) s[g * CHUNK + j] = vsum(part[g]);
@@ -187,12 +196,14 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
       V16 a[G];
       for (int g = 0; g < G; ++g) a[g] = vmul(vload(acc + g * D + v * 16), al[g]);
       for (int64_t j = 0; j < cnt; ++j) {
-        const V16 x = vload(vp + j * tok_stride + v * 16);
+        const V16 x = vload(vpool + cur[j] + v * 16);
         for (int g = 0; g < G; ++g) a[g] = vfma(vset(s[g * CHUNK + j]), x, a[g]);
       }
       for (int g = 0; g < G; ++g) vstore(acc + g * D + v * 16, a[g]);
     }
     t0 += cnt;
+    std::copy(nxt, nxt + std::max<int64_t>(n2, 0), cur);
+    cnt = n2;
   }
   for (int g = 0; g < G; ++g) {
     const V16 inv = vset(1.0f / sum[g]);
