@@ -153,10 +153,10 @@ class Generator:
 
     def _compiled_step(self, model: torch.nn.Module) -> tuple[Any, str]:
         from llmlib.runtime import aot
-        from llmlib.runtime.compile import compile_options
 
-        # float32 (inductor's defaults) or all-bfloat16 (a frozen package) on the CPU
-        if self.device.type == "cpu" and (compile_options(model) is None or aot.freezes(model)):
+        # on the CPU, from a package on disk: code only (float32, or int8/int4 codes that the
+        # integer kernels read as extern calls), or frozen (all-bfloat16); in memory otherwise
+        if self.device.type == "cpu":
             t0 = time.perf_counter()
             step, cached = aot.load_decode_step(model, log=aot.print_progress)
             if step is not None:

@@ -127,6 +127,23 @@ class GGUFFile:
         self._pos = end
         return s
 
+    def _strings(self, count: int) -> list[str]:
+        buf, pos, size, out = self._buf, self._pos, len(self._buf), []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise GGUFFormatError(f"{self.path}: file ends inside the header (truncated?)")
+            (n,) = length(buf, pos)
+            end = pos + 8 + n
+            if end > size:
+                raise GGUFFormatError(
+                    f"{self.path}: a string runs past the end of the file (truncated?)"
+                )
+            out.append(str(buf[pos + 8 : end], "utf-8"))
+            pos = end
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype in _SCALAR:
             return self._unpack(_SCALAR[vtype][0])
@@ -144,6 +161,8 @@ class GGUFFile:
                 arr = np.frombuffer(self._buf, dtype=dt, count=count, offset=self._pos).copy()
                 self._pos = end
                 return arr.tolist()
+            if etype == _STRING:  # a vocabulary: tens of thousands, read in one tight loop
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         raise GGUFFormatError(f"{self.path}: unknown metadata value type {vtype}")
 

@@ -119,3 +119,28 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path)
         )
         assert again.runner.decode_path == "compiled (from the cache)"
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == got
+
+
+def test_a_step_that_cannot_be_packaged_is_not_tried_again(model_file, tmp_path) -> None:
+    """A step export refuses compiles in memory, and the reason is kept beside the package's
+    name: the next start goes straight to memory instead of failing the export again, and its
+    log line says why and how to retry."""
+    import torch
+
+    calls: list[Path] = []
+
+    def compile(path: Path) -> None:
+        calls.append(path)
+        raise RuntimeError("Constraints violated (rows)")
+
+    with forced(cache=tmp_path):
+        model = llmlib.load_model(model_file, "cpu", "float32")
+        logs: list[str] = []
+        for _ in range(2):
+            got = aot.load_step(model, "probe", torch.nn.Identity(), compile, logs.append)
+            assert got == (None, False)
+        assert len(calls) == 1 and not calls[0].exists()
+        assert "Constraints violated (rows)" in logs[-1] and "to retry" in logs[-1]
+        calls[0].with_suffix(".failed").unlink()  # retried once the reason is removed
+        aot.load_step(model, "probe", torch.nn.Identity(), compile, logs.append)
+        assert len(calls) == 2

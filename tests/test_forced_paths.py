@@ -220,6 +220,7 @@ def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt
         on_disk = ("compiled (now, cached)", "compiled (from the cache)")
         if path.get("integer") != "off":
             assert llm.runner.decode_path in on_disk, llm.runner.decode_path
+            assert gen.decode_path in on_disk, gen.decode_path
         assert got == tokens, (fmt, _name(path), "compiled engine")
         assert llm.runner.graphs.static_steps > 0
 

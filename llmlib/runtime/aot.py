@@ -171,12 +171,24 @@ def load_step(
     if key is None:
         return None, False
     path = cache_dir() / f"{kind}-{key}.pt2"
+    failed = path.with_suffix(".failed")  # why it could not be done, so no later start tries again
+    if failed.exists():
+        if log is not None:
+            why = failed.read_text()[:200]
+            log(
+                f"llmlib: this step ({kind}) compiles in memory here ({why}; delete {failed} to retry)"
+            )
+        return None, False
     cached = path.exists()
     load_kernels()  # a package calls llmlib's C++ operators by name: register them first
     try:
         if not cached:
             compile(path)
-        loaded = torch._inductor.aoti_load_package(str(path))
+        # a package compiled here already proves the compiler builds for this CPU: its vector
+        # instructions are taken from the CPU's flags, without inductor's probe (a child process
+        # per instruction set, about a second)
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True} if cached else {}):
+            loaded = torch._inductor.aoti_load_package(str(path))
         if not frozen:
             consts = _constants(wrapper)
             names = loaded.get_constant_fqns()
@@ -186,6 +198,9 @@ def load_step(
     except Exception as e:  # an op or layout AOTInductor cannot take here: compile in memory
         if log is not None:
             log(f"llmlib: this step ({kind}) cannot be compiled ahead of time here ({e!s:.200})")
+        path.unlink(missing_ok=True)
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text(f"{type(e).__name__}: {e!s:.500}")
         return None, False
     return loaded, cached
 
