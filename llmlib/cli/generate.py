@@ -71,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.quiet and out is not None:
         t = out.timing
+        rate = t.decode_tokens_per_s  # nan after one token: prefill made it, no step was timed
+        rate_s = "no step" if rate != rate else f"{rate:.1f} tokens/s"
         print(
             f"[{len(out.prompt_ids)} prompt tokens, {len(out.token_ids)} new, finish={out.finish_reason}; "
-            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s; "
+            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {rate_s}; "
             f"weights {gen.weight_format}" + decode_note(gen) + _spec_note(out) + "]",
             file=sys.stderr,
         )
