@@ -141,17 +141,40 @@ def test_tensor_parallel_is_refused():
         LLM(tiny(torch.float32), batch_invariant=True, tensor_parallel_size=2)
 
 
+def _serve_kwargs(monkeypatch, argv: list[str]) -> dict:
+    """The keywords ``llmlib serve ARGV`` hands the engine."""
+    import llmlib.serve.launch as launch
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_build(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(launch, "build_engine", fake_build)
+    with pytest.raises(Stop):
+        launch.main(argv)
+    return seen
+
+
+def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps(monkeypatch):
+    assert _serve_kwargs(monkeypatch, [])["compile"] is True
+    assert _serve_kwargs(monkeypatch, ["--no-compile"])["compile"] is False
+    for other in (["--batch-invariant"], ["--speculative=ngram:4"]):
+        assert _serve_kwargs(monkeypatch, other)["compile"] is False
+        assert _serve_kwargs(monkeypatch, [*other, "--compile"])["compile"] is True
+
+
 @pytest.mark.parametrize(
     "flag, key",
-    [
-        ("--batch-invariant", "batch_invariant"),
-        ("--compile", "compile"),
-        ("--speculative=ngram:4", "speculative_config"),
-    ],
+    [("--batch-invariant", "batch_invariant"), ("--speculative=ngram:4", "speculative_config")],
 )
 def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
-    """``llmlib serve --batch-invariant`` / ``--compile`` / ``--speculative`` reach the engine's
-    keyword (only when given)."""
+    """``llmlib serve --batch-invariant`` / ``--speculative`` reach the engine's keyword (only
+    when given)."""
     import llmlib.serve.launch as launch
 
     seen: dict = {}

@@ -99,6 +99,21 @@ def _make_async_engine(path: Any, device: Any, dtype: Any, **kw: Any) -> Any:
     return AsyncLLM(str(path), device=device, dtype=dtype, **kw)
 
 
+def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
+    """``--compile``/``--no-compile`` as given, else the default: compiled on a CPU, where the
+    engine's step is kept on disk, unless a mode that runs its own steps was asked for."""
+    if args.compile is not None:
+        return args.compile
+    from llmlib.device import pick_device
+
+    return (
+        pick_device(args.device).type == "cpu"
+        and args.tensor_parallel_size == 1
+        and not args.batch_invariant
+        and spec is None
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="llmlib serve", description="An OpenAI-compatible server on llmlib's batching engine."
@@ -168,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--compile",
-        action="store_true",
-        help="torch.compile the CPU engine's decode steps before serving (takes minutes, once)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the CPU engine's decode steps compiled ahead of time, kept on disk (the first start "
+        "compiles, about a minute; later ones load them). Default: on a CPU, except with "
+        "--batch-invariant, --speculative or --tensor-parallel-size above 1",
     )
     from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
@@ -216,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
-        compile=args.compile,
+        compile=serve_compiles(args, spec),
         **({"speculative_config": spec} if spec is not None else {}),
     )
     name = args.served_model_name or name
+    path = getattr(engine.llm.runner, "decode_path", "eager")
     if engine.llm.compile_s is not None:
-        print(f"llmlib serve: decode step compiled in {engine.llm.compile_s:.0f} s", flush=True)
+        path += f" in {engine.llm.compile_s:.0f} s"
+    print(f"llmlib serve: decode steps {path}", flush=True)
     app = create_app(
         engine.start(),
         name,
