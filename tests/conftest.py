@@ -6,9 +6,16 @@ fixture fetches it too (idempotently) so a single test file can be run on its ow
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Engines and generators built from a path compile their CPU decode steps by default, a minute or
+# more per model and format on a cold cache; the tests build dozens. Here the default is eager:
+# compiled steps are tested where a test asks for them (compile=True: test_aot, test_engine,
+# test_forced_paths), and the default itself under forced flags (test_compile_default).
+os.environ.setdefault("LLMLIB_COMPILE", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -75,7 +75,7 @@ def test_the_key_follows_the_file_the_format_and_the_machines_choices(model_file
 def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> None:
     """``LLM(compile=True)`` on a model from a file: the all-decode steps (every batch size and
     history length: one package) give the eager engine's tokens, and the next engine loads the
-    package instead of compiling."""
+    package instead of compiling; ``LLM(path)`` does so by default."""
     prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
     params = llmlib.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(num_blocks=64, block_size=4, max_num_seqs=8)
@@ -88,11 +88,13 @@ def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> Non
         assert first.runner.decode_path == "compiled (now, cached)"
         got = [o.token_ids for o in first.generate(prompts, params, use_tqdm=False)]
         assert got == want and first.runner.graphs.static_steps > 0
-        again = llmlib.LLM(
-            llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True, **kw
-        )
+    # a path, with compile left out: compiled by default (LLMLIB_COMPILE unset), from the cache
+    with forced(cache=tmp_path, compile_default=True):
+        again = llmlib.LLM(model_file, Tok(), dtype="float32", **kw)
         assert again.runner.decode_path == "compiled (from the cache)"
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == want
+    with forced(cache=tmp_path, compile_default=False):  # LLMLIB_COMPILE=0
+        assert llmlib.LLM(model_file, Tok(), dtype="float32", **kw).runner.decode_path == "eager"
 
 
 def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path) -> None:

@@ -161,6 +161,14 @@ def _serve_kwargs(monkeypatch, argv: list[str]) -> dict:
 
 
 def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps(monkeypatch):
+    with forced(compile_default=False):  # LLMLIB_COMPILE=0
+        assert _serve_kwargs(monkeypatch, [])["compile"] is False
+        assert _serve_kwargs(monkeypatch, ["--compile"])["compile"] is True
+    with forced(compile_default=True):
+        _serves_compiled_by_default(monkeypatch)
+
+
+def _serves_compiled_by_default(monkeypatch):
     assert _serve_kwargs(monkeypatch, [])["compile"] is True
     assert _serve_kwargs(monkeypatch, ["--no-compile"])["compile"] is False
     for other in (["--batch-invariant"], ["--speculative=ngram:4"]):

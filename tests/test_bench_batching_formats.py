@@ -83,7 +83,8 @@ def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, cap
     from llmlib.bench import batching
 
     out = tmp_path / "res.json"
-    argv = ["--model", str(smollm2_path), "--formats", "float32,bfloat16", "--num-requests", "3"]
+    argv = ["--model", str(smollm2_path), "--formats", "float32,bfloat16,bfloat16+invariant"]
+    argv += ["--num-requests", "3"]
     argv += ["--output-len", "3", "3", "--prompt-len", "5", "9", "--repeats", "1"]
     argv += ["--threads", "2", "--perplexity-tokens", "64"]
     argv += ["--vllm-python", sys.executable, "--out", str(out)]
@@ -106,6 +107,11 @@ def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, cap
     )
     assert 0 <= peer["same_tokens_as_float32"] <= 1
     assert "vllm bfloat16" in capsys.readouterr().out
+    inv = rows["bfloat16+invariant"]  # batch-invariant mode, priced against the same format
+    assert inv["batch_invariant"] and "vs_compiled" not in inv
+    assert inv["vs_eager"] == pytest.approx(
+        inv["continuous_tokens_per_s"] / r["continuous_tokens_per_s"], rel=1e-2
+    )
     with pytest.raises(SystemExit):
         batching.main(argv[:3] + ["bfloat17"] + argv[4:])
     assert "--formats: unknown format 'bfloat17'" in capsys.readouterr().err
@@ -113,3 +119,6 @@ def test_formats_side_by_side_with_a_peer(smollm2_path, fake_vllm, tmp_path, cap
     from llmlib.bench.batching_formats import format_names
 
     assert format_names("float32,bfloat16+compile") == ["float32", "bfloat16+compile"]
+    assert format_names("gguf+invariant") == ["gguf+invariant"]
+    with pytest.raises(ValueError, match="bf16"):
+        format_names("bf16+invariant")

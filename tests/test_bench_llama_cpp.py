@@ -49,8 +49,7 @@ def fake_llama_cpp(monkeypatch):
             pass
 
         def eval(self, ids: list[int]) -> None:
-            if len(ids) == 1:
-                _CLOCK[0] += self.step
+            _CLOCK[0] += self.step if len(ids) == 1 else PREFILL_S_PER_TOKEN * len(ids)
 
     mod.llama_model_quantize_default_params = default_params
     mod.llama_model_quantize = quantize
@@ -61,6 +60,7 @@ def fake_llama_cpp(monkeypatch):
 
 
 _CLOCK = [0.0]
+PREFILL_S_PER_TOKEN = 0.003
 
 
 def test_copies_are_made_once_pure_and_from_the_same_file(tmp_path, fake_llama_cpp) -> None:
@@ -101,6 +101,11 @@ def test_each_format_is_compared_with_llama_cpp_at_its_own_bits(
         assert r["llama_cpp_peer"] == peer
         assert r["vs_llama_cpp"] == round(r["tokens_per_s"] / rows[peer]["tokens_per_s"], 2)
     assert "vs_llama_cpp" not in rows["llama.cpp F32"]
+    # prefill: the prompt's seconds, llmlib's from its own timing, llama.cpp's from eval
+    n = res["prompt_tokens"]
+    assert rows["llama.cpp F32"]["prefill_s"] == pytest.approx(n * PREFILL_S_PER_TOKEN, abs=1e-4)
+    assert rows["llama.cpp F32"]["prefill_n_batch"] == 1
+    assert rows["float32"]["prefill_s"] > 0 and rows["int8"]["prefill_s"] > 0
     f32, i8 = rows["float32"], rows["int8"]
     assert f32["vs_float32"] == 1.0
     assert i8["vs_float32"] == round(i8["tokens_per_s"] / f32["tokens_per_s"], 2)

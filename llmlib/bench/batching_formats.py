@@ -1,11 +1,13 @@
 """``llmlib bench batching --formats ...``: the batching engine in each weight format, in one run.
 
 Every format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``, as in ``bench generate
---formats``) is loaded from the same file and serves the same requests through
-:class:`~llmlib.engine.LLM`. Runs go round-robin over the formats, so a noisy neighbour slows
-all alike; medians are reported with ratios against float32 from this run, and the share of
-greedy tokens that equal float32's. ``--perplexity-tokens`` adds each format's perplexity on the
-book's text (what ``llmlib.device.choose_format`` weighs speed against).
+--formats``; ``+compile`` for the compiled engine, ``+invariant`` for batch-invariant mode, whose
+rows also give their ratio against the same format's default engine) is loaded from the same file
+and serves the same requests through :class:`~llmlib.engine.LLM`. Runs go round-robin over the
+formats, so a noisy neighbour slows all alike; medians are reported with ratios against float32
+from this run, and the share of greedy tokens that equal float32's. ``--perplexity-tokens`` adds
+each format's perplexity on the book's text (what ``llmlib.device.choose_format`` weighs speed
+against).
 
 ``--vllm-python PYTHON`` adds the reference users compare with: vLLM's offline engine (run by
 that interpreter, in its own environment, on the same float32 weights written as a Hugging Face
@@ -96,8 +98,10 @@ def run(
     models: dict[str, torch.nn.Module] = {}
     rows: dict[str, dict[str, Any]] = {}
     compiled: set[str] = set()
+    invariant: set[str] = set()
     for name in formats:
-        base, comp = name.removesuffix("+compile"), name.endswith("+compile")
+        base, _, mode = name.partition("+")
+        comp = mode == "compile"
         dtype, q = format_of(base)
         # stored as LLM() stores what it loads (a compiled row has a model of its own: compiling
         # re-stores its matrices for the graph)
@@ -105,8 +109,13 @@ def run(
         rows[name] = {"name": name, "dtype": dtype, "quantization": q, "compiled": comp}
         if comp:
             compiled.add(name)
+        if mode == "invariant":
+            invariant.add(name)
+            rows[name]["batch_invariant"] = True
         before = rss_anon()
-        warm = run_continuous(m, tok, requests[:4], *engine, compile=comp)  # warm up (compile)
+        warm = run_continuous(  # warm up (and compile)
+            m, tok, requests[:4], *engine, compile=comp, batch_invariant=name in invariant
+        )
         if comp:  # compile_s None: the step came from its package on disk
             rows[name]["decode_path"] = warm["decode_path"]
             rows[name]["compile_s"] = warm["compile_s"] and round(warm["compile_s"], 1)
@@ -122,7 +131,16 @@ def run(
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in models}
     for i in range(repeats):
         for name, m in models.items():
-            runs[name].append(run_continuous(m, tok, requests, *engine, compile=name in compiled))
+            runs[name].append(
+                run_continuous(
+                    m,
+                    tok,
+                    requests,
+                    *engine,
+                    compile=name in compiled,
+                    batch_invariant=name in invariant,
+                )
+            )
         log(
             f"run {i + 1}/{repeats}: "
             + ", ".join(f"{k} {total / v[-1]['seconds']:.1f}" for k, v in runs.items())
@@ -142,6 +160,12 @@ def run(
     base = rows[ref_name]["continuous_tokens_per_s"]
     for r in rows.values():
         r[f"vs_{ref_name}"] = round(r["continuous_tokens_per_s"] / base, 3)
+    for name in invariant:  # the mode's price against the same format's default engine
+        fmt = name.partition("+")[0]
+        for key, other in (("vs_eager", fmt), ("vs_compiled", fmt + "+compile")):
+            if other in rows:
+                got, ref_tps = rows[name], rows[other]["continuous_tokens_per_s"]
+                got[key] = round(got["continuous_tokens_per_s"] / ref_tps, 3)
     if perplexity_tokens:  # eager rows: a compiled row's prefill and graph hold the same weights
         quality(
             {k: m for k, m in models.items() if k not in compiled},
@@ -219,9 +243,17 @@ def print_table(res: dict[str, Any]) -> None:
 
 
 def format_names(text: str) -> list[str]:
-    """``--formats`` for the engine (``+compile``: ``LLM(compile=True)``); a ValueError names an
-    unknown one."""
-    return [name + ("+compile" if comp else "") for name, comp in parse_formats(text)]
+    """``--formats`` for the engine (``+compile``: ``LLM(compile=True)``; ``+invariant``:
+    ``LLM(batch_invariant=True)``); a ValueError names an unknown one."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if item.endswith("+invariant"):
+            parse_formats(item.removesuffix("+invariant"))  # the format itself must be known
+            out.append(item)
+        else:
+            out += [name + ("+compile" if comp else "") for name, comp in parse_formats(item)]
+    return out
 
 
 def main_formats(ap, args, log) -> int:

@@ -5,14 +5,15 @@ the torch.compile'd decode step) the same file is loaded, and the same prompt is
 at batch 1 for the same number of new tokens. Runs go round-robin over the formats so a noisy
 neighbour slows all alike; medians are reported, with ratios against float32 from this run.
 
-Per format: decode tokens/s; the bytes one decode step reads (every weight matrix as stored,
-scales included, plus the KV cache at the mean length); that traffic as a share of the read
-bandwidth measured in the same run (:func:`llmlib.analysis.roofline.measure_bandwidth`); the resident
-memory the loaded weights add to a fresh process, against the bytes the format stores; and,
-with ``--perplexity-tokens``, perplexity on the book's text, KL divergence from float32 and the
-share of greedy tokens that agree (:mod:`llmlib.perplexity`). Where ``llama-cpp-python`` is
-installed, llama.cpp decodes the same weights in the same run, at each format's bits per weight
-(:mod:`llmlib.bench._llama_cpp`: F32, BF16 and Q8_0 copies of the file, and the file itself).
+Per format: decode tokens/s; prefill's seconds for the prompt; the bytes one decode step reads
+(every weight matrix as stored, scales included, plus the KV cache at the mean length); that
+traffic as a share of the read bandwidth measured in the same run
+(:func:`llmlib.analysis.roofline.measure_bandwidth`); the resident memory the loaded weights add to
+a fresh process, against the bytes the format stores; and, with ``--perplexity-tokens``, perplexity
+on the book's text, KL divergence from float32 and the share of greedy tokens that agree
+(:mod:`llmlib.perplexity`). Where ``llama-cpp-python`` is installed, llama.cpp decodes the same
+weights in the same run, at each format's bits per weight (:mod:`llmlib.bench._llama_cpp`: F32,
+BF16 and Q8_0 copies of the file, and the file itself).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def run(
             copy = _llama_cpp.copy_of(path, kind, threads)
             peers[_llama_cpp.label(kind)] = _llama_cpp.decoder(copy, threads, ids, new_tokens)
     times: dict[str, list[float]] = {k: [] for k in [*gens, *peers]}
+    prefills: dict[str, list[float]] = {k: [] for k in [*gens, *peers]}
     tokens: dict[str, list[int]] = {}
     for decode in peers.values():
         decode()  # warm up
@@ -166,12 +168,14 @@ def run(
                 out = g.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
                 tokens[label] = out.token_ids
                 times[label].append(out.timing.decode_s / len(out.timing.step_s))
+                prefills[label].append(out.timing.prefill_s)
 
             timings(once, warmup=0, reps=1)
         for name, decode in peers.items():
-            toks, secs = decode()
+            toks, secs, prefill = decode()
             tokens[name] = toks
             times[name].append(secs / (new_tokens - 1))
+            prefills[name].append(prefill)
         log(f"run {i + 1}/{runs}: " + ", ".join(f"{k} {1 / v[-1]:.1f}" for k, v in times.items()))
     bandwidth = statistics.median(bw)
     ref = tokens.get("float32") or next(iter(tokens.values()))
@@ -182,6 +186,7 @@ def run(
         step = statistics.median(times[label])
         kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_len * g.dtype.itemsize
         r["tokens_per_s"] = round(1 / step, 2)
+        r["prefill_s"] = round(statistics.median(prefills[label]), 4)
         r["bytes_per_token"] = int(r["weight_bytes_per_token"] + kv)
         r["bandwidth_share"] = round(r["bytes_per_token"] / step / bandwidth, 3)
         r["same_tokens_as_float32"] = round(
@@ -189,7 +194,12 @@ def run(
         )
     for name in peers:
         step = statistics.median(times[name])
-        rows[name] = {"name": name, "tokens_per_s": round(1 / step, 2)}
+        rows[name] = {
+            "name": name,
+            "tokens_per_s": round(1 / step, 2),
+            "prefill_s": round(statistics.median(prefills[name]), 4),
+            "prefill_n_batch": _llama_cpp.N_BATCH,
+        }
     base = rows.get("float32", {}).get("tokens_per_s")
     for r in rows.values():
         r["vs_float32"] = round(r["tokens_per_s"] / base, 2) if base else None
@@ -250,6 +260,7 @@ def print_table(res: dict[str, Any]) -> None:
     )
     cols = (
         ("tokens_per_s", "tok/s", "{:8.1f}"),
+        ("prefill_s", "prefill", "{:8.3f}"),
         ("vs_float32", "x fp32", "{:7.2f}"),
         ("vs_llama_cpp", "x llama", "{:8.2f}"),
         ("bytes_per_token", "MB/tok", "{:7.1f}"),
@@ -257,6 +268,8 @@ def print_table(res: dict[str, Any]) -> None:
         ("resident_bytes", "RSS MB", "{:7.1f}"),
         ("resident_vs_stored", "/stored", "{:8.2f}"),
         ("load_peak_vs_resident", "peak/res", "{:8.2f}"),
+        ("cold_start_s", "cold s", "{:7.1f}"),
+        ("warm_start_s", "warm s", "{:7.1f}"),
         ("perplexity", "ppl", "{:7.3f}"),
         ("kl_vs_float32", "KL", "{:8.5f}"),
         ("greedy_agreement", "agree", "{:6.1%}"),

@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama-cpp", action="store_true", help="with --formats: skip llama.cpp")
     ap.add_argument("--out", default=None, help="with --formats: also write the JSON here")
     ap.add_argument(
+        "--starts",
+        action="store_true",
+        help="with --formats: also each format's cold and warm start, process start to the first "
+        "token of `llmlib generate` (cold compiles into an empty cache: minutes a format), and "
+        "llama.cpp's (llmlib.bench.starts)",
+    )
+    ap.add_argument(
         "--requantize",
         default=None,
         metavar="TYPE",
@@ -251,6 +258,15 @@ def _formats_main(args: argparse.Namespace) -> int:
         llama_cpp=not args.no_llama_cpp,
         log=log,
     )
+    if args.starts:
+        from llmlib.bench import starts
+
+        res["starts"] = starts.run(
+            path, fmts, res["threads"], llama_cpp=not args.no_llama_cpp, log=log
+        )
+        for r in res["formats"]:
+            got = res["starts"].get(r["name"], {})
+            r["cold_start_s"], r["warm_start_s"] = got.get("cold_s"), got.get("warm_s")
     save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))

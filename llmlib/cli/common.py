@@ -108,7 +108,7 @@ def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=compile_help + " (default: on a CPU, unless --speculative)",
+        help=compile_help + " (default: on a CPU, unless --speculative or LLMLIB_COMPILE=0)",
     )
     ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
 
@@ -118,12 +118,17 @@ def cli_generator(args: argparse.Namespace) -> Any:
     compiled now where it compiles, so the first answer's timing is decoding, not compilation."""
     from llmlib.device import pick_device
     from llmlib.generate import load_generator
+    from llmlib.kernels.flags import flags
     from llmlib.speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
     compile = args.compile
     if compile is None:  # the fast path by default, where it is fast: a CPU's compiled step
-        compile = spec is None and pick_device(getattr(args, "device", None)).type == "cpu"
+        compile = (
+            flags().compile_default
+            and spec is None
+            and pick_device(getattr(args, "device", None)).type == "cpu"
+        )
     gen = load_generator(
         *generator_args(args), group_size=args.group_size, compile=compile, speculative=spec
     )

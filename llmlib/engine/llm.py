@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llmlib.engine.block_manager import BlockManager
-from llmlib.engine.load import default_num_blocks, load_engine_model
+from llmlib.engine.load import compiles_by_default, default_num_blocks, load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
@@ -55,6 +55,8 @@ class LLM:
 
     ``compile=True`` (CPU) runs those fixed-shape steps through one graph for every batch size
     (:func:`llmlib.runtime.compile.compile_engine_step`), compiled at start (``llm.compile_s``).
+    Left out, it is on for a path on a CPU (:func:`llmlib.engine.load.compiles_by_default`): the first
+    start compiles and keeps the step on disk, later ones load it (``llm.runner.decode_path``).
 
     ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
     process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
@@ -86,14 +88,14 @@ class LLM:
         tp_options: Any = None,
         speculative_config: Any = None,  # a SpeculativeConfig (llmlib.engine.speculate)
         batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
-        compile: bool = False,  # torch.compile the CPU decode steps (llmlib.runtime.compile)
+        compile: bool | None = None,  # compile the CPU decode steps (default: compiles_by_default)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
         self.compile_s: float | None = None  # seconds compiling the decode step took (compile)
         if tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
-            if quantization is not None or batch_invariant or compile:
+            if quantization is not None or batch_invariant or compile:  # None: not asked
                 what = f"quantization={quantization!r}" if quantization else "batch_invariant=True"
                 what = "compile=True" if compile else what
                 raise ValueError(
@@ -112,6 +114,9 @@ class LLM:
             # sharded, the model is rank 0's slice; the config stays the whole model's
             self.config = cfg = self._tp.config if self._tp else model_obj.config
             p = next(model_obj.parameters())
+            if compile is None:
+                tp, spec = self._tp is not None, speculative_config
+                compile = not tp and compiles_by_default(model, p.device, batch_invariant, spec)
             # the KV pool is held in the model's (activations') dtype, whatever the weights are in
             self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
             if not isinstance(block_size, int) or block_size <= 0:
@@ -137,15 +142,10 @@ class LLM:
                 self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
             else:
                 self.runner = ModelRunner(
-                    self.model,
-                    num_blocks,
-                    block_size,
-                    cuda_graphs=cuda_graphs,
-                    max_graph_rows=max_num_seqs,
-                    max_model_len=max_len,
-                    batch_invariant=batch_invariant,
-                    compile=compile,
-                )
+                    self.model, num_blocks, block_size, cuda_graphs=cuda_graphs,
+                    max_graph_rows=max_num_seqs, max_model_len=max_len,
+                    batch_invariant=batch_invariant, compile=compile,
+                )  # fmt: skip
                 if compile:  # now, before any request waits for it
                     self.compile_s = self.runner.compile_now(min(32, max_num_seqs))
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)

@@ -27,6 +27,9 @@ variable                    values                 what it decides (default)
                                                    cache by llmlib's kernel (``1``)
 ``LLMLIB_ACTIVATIONS``      ``float32``,           the activations' dtype of int8/int4/gguf
                             ``bfloat16``           models (bfloat16 where the CPU multiplies it)
+``LLMLIB_COMPILE``          ``0``, ``1``           ``LLM(path)``, ``llmlib generate``, ``chat`` and
+                                                   ``serve`` compile their CPU decode steps unless
+                                                   told not to (``1``); ``0``: eager unless asked
 ``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             how long tensor-parallel ranks may take to
                                                    start (600)
 ``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
@@ -71,6 +74,7 @@ class Flags:
     activations: str  # the dtype int8/int4/gguf models compute in: "float32" or "bfloat16"
     # ---- not about the CPU ----
     cache: Path  # where fetched models live
+    compile_default: bool = True  # LLM(path) and the CLI compile their CPU decode steps
     tp_startup_timeout: float = 600.0
     tp_local: bool = False
 
@@ -200,6 +204,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         cache=Path(cache).expanduser(),
         tp_startup_timeout=tp_timeout,
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
+        compile_default=_switch(env, "LLMLIB_COMPILE") is not False,
     )
 
 

@@ -3,8 +3,8 @@
 ``torch.compile`` compiles in the process that runs: every start pays for tracing the step (and,
 on a cold cache, for inductor's code generation), which on a small CPU is a minute or more.
 AOTInductor compiles ahead of time instead: ``torch.export`` traces the step once into a graph,
-inductor turns the graph into a shared library, and :func:`torch._inductor.aoti_load_package`
-loads that library in any later process. Here the package holds code only: the weights stay the
+inductor turns the graph into a shared library, and AOTInductor's loader opens that library in
+any later process (:class:`Package`). Here the package holds code only: the weights stay the
 model's own tensors, handed to the loaded step by name (``load_constants(..., user_managed=True)``),
 so loading a compiled step adds no copy of the model.
 
@@ -143,6 +143,35 @@ def freezes(model: nn.Module) -> bool:
     )
 
 
+class Package:
+    """A compiled step loaded from its ``.pt2`` file by AOTInductor's C++ loader, called directly.
+
+    ``torch._inductor.aoti_load_package`` does the same after importing inductor and dynamo and
+    probing the machine, over a second of every start; a package in this cache was compiled on
+    this machine (its key names the CPU's flags), so there is nothing to check. The step's inputs
+    and output are plain tensors: they pass as a list, with no tree to flatten."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.utils import _pytree
+
+        # (file, model name, single-threaded, runners, device index): load_package's defaults
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self.out_spec = _pytree.treespec_loads(self.loader.get_call_spec()[1])
+        self._unflatten = _pytree.tree_unflatten
+
+    def __call__(self, *tensors: torch.Tensor):
+        return self._unflatten(self.loader.boxed_run(list(tensors)), self.out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(
+        self, constants: dict[str, torch.Tensor], *, check_full_update: bool, user_managed: bool
+    ) -> None:
+        # (map, use the inactive buffer, check that all are given, user managed, copy to device)
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+
+
 def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in module.named_parameters()}
     out.update({n: b for n, b in module.named_buffers()})
@@ -184,11 +213,7 @@ def load_step(
     try:
         if not cached:
             compile(path)
-        # a package compiled here already proves the compiler builds for this CPU: its vector
-        # instructions are taken from the CPU's flags, without inductor's probe (a child process
-        # per instruction set, about a second)
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True} if cached else {}):
-            loaded = torch._inductor.aoti_load_package(str(path))
+        loaded = Package(path)
         if not frozen:
             consts = _constants(wrapper)
             names = loaded.get_constant_fqns()

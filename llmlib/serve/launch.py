@@ -101,13 +101,16 @@ def _make_async_engine(path: Any, device: Any, dtype: Any, **kw: Any) -> Any:
 
 def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
     """``--compile``/``--no-compile`` as given, else the default: compiled on a CPU, where the
-    engine's step is kept on disk, unless a mode that runs its own steps was asked for."""
+    engine's step is kept on disk, unless a mode that runs its own steps was asked for (or
+    ``LLMLIB_COMPILE=0``)."""
     if args.compile is not None:
         return args.compile
     from llmlib.device import pick_device
+    from llmlib.kernels.flags import flags
 
     return (
-        pick_device(args.device).type == "cpu"
+        flags().compile_default
+        and pick_device(args.device).type == "cpu"
         and args.tensor_parallel_size == 1
         and not args.batch_invariant
         and spec is None

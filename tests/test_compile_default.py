@@ -1,0 +1,66 @@
+"""The fast path without asking: ``LLM(path)``, ``llmlib generate``/``chat`` and ``serve`` compile
+their CPU decode steps unless told not to (``compile=False``, ``--no-compile``,
+``LLMLIB_COMPILE=0``), and not in the modes that run steps of their own. The test suite itself
+runs with ``LLMLIB_COMPILE=0`` (conftest.py), so the default is checked here under forced flags;
+tests/test_aot.py builds an ``LLM(path)`` with the default and checks its step came from disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmlib.engine.load import compiles_by_default
+from llmlib.kernels.flags import forced, read
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_the_flag_is_read_from_the_environment():
+    assert read(env={}).compile_default is True
+    assert read(env={"LLMLIB_COMPILE": "0"}).compile_default is False
+    assert read(env={"LLMLIB_COMPILE": "1"}).compile_default is True
+    with pytest.raises(ValueError, match="LLMLIB_COMPILE"):
+        read(env={"LLMLIB_COMPILE": "yes"})
+
+
+def test_a_path_on_a_cpu_compiles_by_default():
+    with forced(compile_default=True):
+        assert compiles_by_default("m.gguf", CPU) and compiles_by_default(Path("folder"), CPU)
+        assert not compiles_by_default(torch.nn.Linear(2, 2), CPU)  # built in memory: as built
+        assert not compiles_by_default("m.gguf", CUDA)  # CUDA graphs are the GPU's fast path
+        assert not compiles_by_default("m.gguf", CPU, batch_invariant=True)
+        assert not compiles_by_default("m.gguf", CPU, speculative=object())
+    with forced(compile_default=False):
+        assert not compiles_by_default("m.gguf", CPU)
+
+
+@pytest.mark.parametrize(
+    "argv, env_default, want",
+    [
+        ([], True, True),
+        (["--no-compile"], True, False),
+        (["--speculative", "ngram:3"], True, False),
+        (["--speculative", "ngram:3", "--compile"], True, True),
+        ([], False, False),
+        (["--compile"], False, True),
+    ],
+)
+def test_generate_compiles_by_default(monkeypatch, capsys, argv, env_default, want):
+    import llmlib.cli.generate as G
+    import llmlib.generate
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(llmlib.generate, "load_generator", fake_load)
+    with forced(compile_default=env_default), pytest.raises(Stop):
+        G.main(["hello", "--device", "cpu", *argv])
+    assert seen["compile"] is want
