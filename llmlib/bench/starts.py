@@ -2,8 +2,8 @@
 
 Each format runs ``llmlib generate`` twice in a fresh process, as a user types it, with the
 compiled-step cache (:mod:`llmlib.runtime.aot`) pointed at an empty temporary folder: the first
-start is cold (it compiles the decode step and stores it), the second is warm (it loads the
-package). The clock runs from starting the process to the first byte of the answer on its
+start is cold (it compiles the decode step and stores it; inductor's caches start empty too), the
+second is warm (it loads the package). The clock runs from starting the process to the first byte of the answer on its
 standard output, so Python's start, the imports, the load, the compile or package load and
 prefill all count. llama.cpp's start is timed the same way: a fresh process that loads the same
 file and writes its first token (``llama-cpp-python``, where installed).
@@ -77,6 +77,8 @@ def run(
         label = name + ("+compile" if comp else "")
         with tempfile.TemporaryDirectory(prefix="llmlib-starts-") as cache:
             env = {**os.environ, "LLMLIB_CACHE": cache, "OMP_NUM_THREADS": str(threads)}
+            # inductor's own caches too: a cold start is a machine that never compiled this model
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")
             env.pop("LLMLIB_COMPILE", None)  # the default a user gets
             cmd = generate_command(path, name, comp)
             cold = first_byte_seconds(cmd, env)
