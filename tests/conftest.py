@@ -44,6 +44,29 @@ def hf_smollm2(smollm2_path: Path):
     ).eval()
 
 
+@pytest.fixture
+def kwargs_of(monkeypatch):
+    """``kwargs_of(module, name, run)``: call ``run()`` with ``module.name`` replaced by a stub that
+    stops the call there, and return the keywords the stub was given (what a command hands on)."""
+
+    class Stop(Exception):
+        pass
+
+    def capture(module, name: str, run) -> dict:
+        seen: dict = {}
+
+        def stub(*args, **kwargs):
+            seen.update(kwargs)
+            raise Stop
+
+        monkeypatch.setattr(module, name, stub)
+        with pytest.raises(Stop):
+            run()
+        return seen
+
+    return capture
+
+
 def pytest_configure(config) -> None:
     """Under pytest-xdist each worker keeps to one torch thread: two workers then share the two
     cores instead of four threads fighting over them."""

@@ -141,64 +141,38 @@ def test_tensor_parallel_is_refused():
         LLM(tiny(torch.float32), batch_invariant=True, tensor_parallel_size=2)
 
 
-def _serve_kwargs(monkeypatch, argv: list[str]) -> dict:
+def _serve_kwargs(kwargs_of, argv: list[str]) -> dict:
     """The keywords ``llmlib serve ARGV`` hands the engine."""
     import llmlib.serve.launch as launch
 
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_build(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(launch, "build_engine", fake_build)
-    with pytest.raises(Stop):
-        launch.main(argv)
-    return seen
+    return kwargs_of(launch, "build_engine", lambda: launch.main(argv))
 
 
-def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps(monkeypatch):
+def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps(kwargs_of):
     with forced(compile_default=False):  # LLMLIB_COMPILE=0
-        assert _serve_kwargs(monkeypatch, [])["compile"] is False
-        assert _serve_kwargs(monkeypatch, ["--compile"])["compile"] is True
+        assert _serve_kwargs(kwargs_of, [])["compile"] is False
+        assert _serve_kwargs(kwargs_of, ["--compile"])["compile"] is True
     with forced(compile_default=True):
-        _serves_compiled_by_default(monkeypatch)
+        _serves_compiled_by_default(kwargs_of)
 
 
-def _serves_compiled_by_default(monkeypatch):
-    assert _serve_kwargs(monkeypatch, [])["compile"] is True
-    assert _serve_kwargs(monkeypatch, ["--no-compile"])["compile"] is False
+def _serves_compiled_by_default(kwargs_of):
+    assert _serve_kwargs(kwargs_of, [])["compile"] is True
+    assert _serve_kwargs(kwargs_of, ["--no-compile"])["compile"] is False
     for other in (["--batch-invariant"], ["--speculative=ngram:4"]):
-        assert _serve_kwargs(monkeypatch, other)["compile"] is False
-        assert _serve_kwargs(monkeypatch, [*other, "--compile"])["compile"] is True
+        assert _serve_kwargs(kwargs_of, other)["compile"] is False
+        assert _serve_kwargs(kwargs_of, [*other, "--compile"])["compile"] is True
 
 
 @pytest.mark.parametrize(
     "flag, key",
     [("--batch-invariant", "batch_invariant"), ("--speculative=ngram:4", "speculative_config")],
 )
-def test_serve_flag_reaches_the_engine(monkeypatch, flag, key):
+def test_serve_flag_reaches_the_engine(kwargs_of, flag, key):
     """``llmlib serve --batch-invariant`` / ``--speculative`` reach the engine's keyword (only
     when given)."""
-    import llmlib.serve.launch as launch
-
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_build(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(launch, "build_engine", fake_build)
     for argv, want in (([flag], True), ([], False)):
-        seen.clear()
-        with pytest.raises(Stop):
-            launch.main(argv)
+        seen = _serve_kwargs(kwargs_of, argv)
         if key == "speculative_config":
             assert (seen.get(key) is not None) is want
             if want:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmlib.engine.load import compiles_by_default
+from llmlib.device import compiles_by_default
 from llmlib.kernels.flags import forced, read
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -47,20 +47,12 @@ def test_a_path_on_a_cpu_compiles_by_default():
         (["--compile"], False, True),
     ],
 )
-def test_generate_compiles_by_default(monkeypatch, capsys, argv, env_default, want):
+def test_generate_compiles_by_default(kwargs_of, argv, env_default, want):
     import llmlib.cli.generate as G
     import llmlib.generate
 
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_load(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(llmlib.generate, "load_generator", fake_load)
-    with forced(compile_default=env_default), pytest.raises(Stop):
-        G.main(["hello", "--device", "cpu", *argv])
+    with forced(compile_default=env_default):
+        seen = kwargs_of(
+            llmlib.generate, "load_generator", lambda: G.main(["hello", "--device", "cpu", *argv])
+        )
     assert seen["compile"] is want

@@ -116,19 +116,15 @@ def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
 def cli_generator(args: argparse.Namespace) -> Any:
     """The :class:`~llmlib.generate.Generator` the model, format and decode arguments ask for;
     compiled now where it compiles, so the first answer's timing is decoding, not compilation."""
-    from llmlib.device import pick_device
+    from llmlib.device import compiles_by_default, pick_device
     from llmlib.generate import load_generator
-    from llmlib.kernels.flags import flags
     from llmlib.speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
     compile = args.compile
     if compile is None:  # the fast path by default, where it is fast: a CPU's compiled step
-        compile = (
-            flags().compile_default
-            and spec is None
-            and pick_device(getattr(args, "device", None)).type == "cpu"
-        )
+        device = pick_device(getattr(args, "device", None))
+        compile = compiles_by_default(args.model, device, speculative=spec)
     gen = load_generator(
         *generator_args(args), group_size=args.group_size, compile=compile, speculative=spec
     )

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from llmlib.device import compiles_by_default
 from llmlib.engine.block_manager import BlockManager
-from llmlib.engine.load import compiles_by_default, default_num_blocks, load_engine_model
+from llmlib.engine.load import default_num_blocks, load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
@@ -53,10 +54,9 @@ class LLM:
     :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
     capturing (what the tests exercise).
 
-    ``compile=True`` (CPU) runs those fixed-shape steps through one graph for every batch size
-    (:func:`llmlib.runtime.compile.compile_engine_step`), compiled at start (``llm.compile_s``).
-    Left out, it is on for a path on a CPU (:func:`llmlib.engine.load.compiles_by_default`): the first
-    start compiles and keeps the step on disk, later ones load it (``llm.runner.decode_path``).
+    ``compile`` (default for a path on a CPU: :func:`llmlib.device.compiles_by_default`) runs those
+    fixed-shape steps through one graph for every batch size, compiled by the first start and kept
+    on disk for the next (:mod:`llmlib.engine.compiled`; ``llm.runner.decode_path`` says which).
 
     ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
     process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
@@ -116,7 +116,7 @@ class LLM:
             p = next(model_obj.parameters())
             if compile is None:
                 tp, spec = self._tp is not None, speculative_config
-                compile = not tp and compiles_by_default(model, p.device, batch_invariant, spec)
+                compile = compiles_by_default(model, p.device, batch_invariant, spec, tp)
             # the KV pool is held in the model's (activations') dtype, whatever the weights are in
             self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
             if not isinstance(block_size, int) or block_size <= 0:

@@ -47,26 +47,6 @@ def load_engine_model(
     )
 
 
-def compiles_by_default(
-    model: Any, device: torch.device, batch_invariant: bool = False, speculative: Any = None
-) -> bool:
-    """Whether :class:`llmlib.LLM` compiles its decode steps when ``compile`` is left out: for a
-    checkpoint path on a CPU, where the compiled step is kept on disk (keyed by the file), so only
-    a machine's first start pays for compiling. A model built in memory stays as built (its step
-    would compile again at every start), and so do the modes that run steps of their own (batch
-    invariance, speculation). ``LLMLIB_COMPILE=0`` turns the default off
-    (:mod:`llmlib.kernels.flags`)."""
-    from llmlib.kernels.flags import flags
-
-    return (
-        flags().compile_default
-        and isinstance(model, (str, Path))
-        and device.type == "cpu"
-        and not batch_invariant
-        and speculative is None
-    )
-
-
 def default_num_blocks(
     config: Any,
     device: torch.device,

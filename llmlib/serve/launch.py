@@ -100,21 +100,14 @@ def _make_async_engine(path: Any, device: Any, dtype: Any, **kw: Any) -> Any:
 
 
 def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
-    """``--compile``/``--no-compile`` as given, else the default: compiled on a CPU, where the
-    engine's step is kept on disk, unless a mode that runs its own steps was asked for (or
-    ``LLMLIB_COMPILE=0``)."""
+    """``--compile``/``--no-compile`` as given, else the default
+    (:func:`llmlib.device.compiles_by_default`)."""
     if args.compile is not None:
         return args.compile
-    from llmlib.device import pick_device
-    from llmlib.kernels.flags import flags
+    from llmlib.device import compiles_by_default, pick_device
 
-    return (
-        flags().compile_default
-        and pick_device(args.device).type == "cpu"
-        and args.tensor_parallel_size == 1
-        and not args.batch_invariant
-        and spec is None
-    )
+    device, tp = pick_device(args.device), args.tensor_parallel_size > 1
+    return compiles_by_default(args.model, device, args.batch_invariant, spec, tp)
 
 
 def main(argv: list[str] | None = None) -> int:
