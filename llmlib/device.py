@@ -59,7 +59,6 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
 def compiles_by_default(
     model: Any,
     device: torch.device,
-    batch_invariant: bool = False,
     speculative: Any = None,
     tensor_parallel: bool = False,
 ) -> bool:
@@ -67,13 +66,14 @@ def compiles_by_default(
     ``chat``, ``serve``): for a checkpoint (a path, or None for the default file) on a CPU, where
     the compiled step is kept on disk keyed by the file, so only a machine's first start pays for
     compiling. A model built in memory stays as built (its step would compile again at every
-    start), and so do the modes that run steps of their own (batch invariance, speculation,
-    tensor parallelism). ``LLMLIB_COMPILE=0`` turns the default off (:mod:`llmlib.kernels.flags`)."""
+    start), and so do the modes that run steps of their own (speculation, tensor parallelism).
+    The batch-invariant mode compiles too: its fixed-shape groups
+    (:class:`llmlib.engine.invariant.InvariantRows`) outrun its eager steps.
+    ``LLMLIB_COMPILE=0`` turns the default off (:mod:`llmlib.kernels.flags`)."""
     return (
         flags().compile_default
         and not isinstance(model, torch.nn.Module)
         and device.type == "cpu"
-        and not batch_invariant
         and speculative is None
         and not tensor_parallel
     )

@@ -148,7 +148,7 @@ def _serve_kwargs(kwargs_of, argv: list[str]) -> dict:
     return kwargs_of(launch, "build_engine", lambda: launch.main(argv))
 
 
-def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps(kwargs_of):
+def test_serve_compiles_by_default_on_a_cpu_except_with_speculation(kwargs_of):
     with forced(compile_default=False):  # LLMLIB_COMPILE=0
         assert _serve_kwargs(kwargs_of, [])["compile"] is False
         assert _serve_kwargs(kwargs_of, ["--compile"])["compile"] is True
@@ -159,9 +159,12 @@ def test_serve_compiles_by_default_on_a_cpu_except_in_modes_with_their_own_steps
 def _serves_compiled_by_default(kwargs_of):
     assert _serve_kwargs(kwargs_of, [])["compile"] is True
     assert _serve_kwargs(kwargs_of, ["--no-compile"])["compile"] is False
-    for other in (["--batch-invariant"], ["--speculative=ngram:4"]):
-        assert _serve_kwargs(kwargs_of, other)["compile"] is False
-        assert _serve_kwargs(kwargs_of, [*other, "--compile"])["compile"] is True
+    # the batch-invariant mode compiles its fixed-shape groups (engine.invariant.InvariantRows)
+    assert _serve_kwargs(kwargs_of, ["--batch-invariant"])["compile"] is True
+    assert _serve_kwargs(kwargs_of, ["--batch-invariant", "--no-compile"])["compile"] is False
+    other = ["--speculative=ngram:4"]  # speculation runs steps of its own, eagerly
+    assert _serve_kwargs(kwargs_of, other)["compile"] is False
+    assert _serve_kwargs(kwargs_of, [*other, "--compile"])["compile"] is True
 
 
 @pytest.mark.parametrize(
@@ -195,3 +198,69 @@ def test_the_forced_path_is_the_one_that_runs(attention):
         assert step.tiles is None
     else:
         assert step.rows_plan is None and step.tiles is not None
+
+
+# ---- compiled: every token a row of a fixed 32-row group (engine.invariant.InvariantRows) ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
+    """InvariantRows run eagerly, over a step of prompt chunks and decode tokens spread across
+    three groups (one cut inside a prompt): the same logits, bit for bit, as the eager mode's
+    InvariantStep, which takes every product in 32-row tiles and attends with the same kernel."""
+    if not paged_attention.available():
+        pytest.skip("the paged attention kernel cannot run on this machine")
+    from llmlib.engine.invariant import InvariantRows
+    from llmlib.engine.paged_cache import SeqChunk
+    from llmlib.engine.runner import ModelRunner
+
+    torch.manual_seed(0)
+    runner = ModelRunner(tiny(dtype), num_blocks=40, block_size=4, batch_invariant=True)
+    chunks = [  # a prompt in two chunks, a whole prompt, one decode token (blocks 0-29)
+        SeqChunk(list(range(0, 10)), 0, 23),
+        SeqChunk(list(range(10, 20)), 0, 30),
+        SeqChunk(list(range(0, 10)), 23, 12),
+        SeqChunk(list(range(20, 30)), 0, 1),
+    ]
+    ids = torch.randint(CFG.vocab_size, (66,)).tolist()
+    select = [22, 52, 64, 65]  # the end of each chunk
+    ref = runner.forward_packed(chunks[:2] + chunks[3:], ids[:53] + ids[65:], [22, 52, 53])
+    ref_2nd = runner.forward_packed(chunks[2:3], ids[53:65], [11])
+    rows = InvariantRows(runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10)
+    got = rows.run(chunks, ids, select)
+    assert torch.equal(got[[0, 1, 3]], ref) and torch.equal(got[2:3], ref_2nd)
+    assert len(rows._steps) == 2  # tables of 8 and 16 blocks: rounded up to powers of two
+
+
+def test_without_the_kernel_the_invariant_mode_stays_eager():
+    with forced(paged_kernel=False):
+        llm = LLM(tiny(torch.float32), num_blocks=64, batch_invariant=True, compile=True)
+    assert llm.runner.rows is None
+    assert llm.runner.decode_path.startswith("eager (the paged attention kernel")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+def test_every_case_is_bitwise_identical_compiled(dtype):
+    """The compiled groups (one graph, in memory here; from its package for a file) keep every
+    case bitwise identical, and stay close to the eager invariant mode."""
+    if not paged_attention.available():
+        pytest.skip("the paged attention kernel cannot run on this machine")
+    m = tiny(dtype)  # a model of its own: compiling re-stores its matrices for the graph
+    eager = LLM(tiny(dtype), num_blocks=128, batch_invariant=True)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    want = eager.generate(prompts(4), sp, use_tqdm=False)
+
+    def make(**kw):
+        kw.setdefault("num_blocks", 256)
+        llm = LLM(m, batch_invariant=True, compile=True, **kw)
+        assert llm.runner.rows is not None and llm.runner.decode_path.startswith("compiled")
+        return llm
+
+    res = measure(make, prompts(), max_tokens=12, cases=CASES)
+    for case, r in res.items():
+        assert r.requests > 0, case
+        assert r.identical_share == 1.0 and r.max_abs_diff == 0.0, (case, r)
+    got = make(num_blocks=128).generate(prompts(4), sp, use_tqdm=False)
+    for x, y in zip(want, got):  # compiled against eager: the same sums, fused otherwise
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx.logprob - ly.logprob) < 0.05

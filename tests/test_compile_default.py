@@ -30,7 +30,6 @@ def test_a_path_on_a_cpu_compiles_by_default():
         assert compiles_by_default("m.gguf", CPU) and compiles_by_default(Path("folder"), CPU)
         assert not compiles_by_default(torch.nn.Linear(2, 2), CPU)  # built in memory: as built
         assert not compiles_by_default("m.gguf", CUDA)  # CUDA graphs are the GPU's fast path
-        assert not compiles_by_default("m.gguf", CPU, batch_invariant=True)
         assert not compiles_by_default("m.gguf", CPU, speculative=object())
     with forced(compile_default=False):
         assert not compiles_by_default("m.gguf", CPU)

@@ -1,8 +1,9 @@
 """``llmlib bench batching --formats ...``: the batching engine in each weight format, in one run.
 
 Every format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``, as in ``bench generate
---formats``; ``+compile`` for the compiled engine, ``+invariant`` for batch-invariant mode, whose
-rows also give their ratio against the same format's default engine) is loaded from the same file
+--formats``; ``+compile`` for the compiled engine, ``+invariant`` for batch-invariant mode and
+``+invariant+compile`` for that mode compiled, whose rows also give their ratio against the same
+format's eager and compiled engines) is loaded from the same file
 and serves the same requests through :class:`~llmlib.engine.LLM`. Runs go round-robin over the
 formats, so a noisy neighbour slows all alike; medians are reported with ratios against float32
 from this run, and the share of greedy tokens that equal float32's. ``--perplexity-tokens`` adds
@@ -100,8 +101,8 @@ def run(
     compiled: set[str] = set()
     invariant: set[str] = set()
     for name in formats:
-        base, _, mode = name.partition("+")
-        comp = mode == "compile"
+        base, *modes = name.split("+")
+        comp = "compile" in modes
         dtype, q = format_of(base)
         # stored as LLM() stores what it loads (a compiled row has a model of its own: compiling
         # re-stores its matrices for the graph)
@@ -109,7 +110,7 @@ def run(
         rows[name] = {"name": name, "dtype": dtype, "quantization": q, "compiled": comp}
         if comp:
             compiled.add(name)
-        if mode == "invariant":
+        if "invariant" in modes:
             invariant.add(name)
             rows[name]["batch_invariant"] = True
         before = rss_anon()
@@ -161,7 +162,7 @@ def run(
     for r in rows.values():
         r[f"vs_{ref_name}"] = round(r["continuous_tokens_per_s"] / base, 3)
     for name in invariant:  # the mode's price against the same format's default engine
-        fmt = name.partition("+")[0]
+        fmt = name.partition("+")[0]  # (eager and compiled, whichever ran)
         for key, other in (("vs_eager", fmt), ("vs_compiled", fmt + "+compile")):
             if other in rows:
                 got, ref_tps = rows[name], rows[other]["continuous_tokens_per_s"]
@@ -224,32 +225,45 @@ def print_table(res: dict[str, Any]) -> None:
         f"{res['model']}, {res['num_requests']} requests, {res['output_tokens']} output tokens, "
         f"{res['threads']} threads, median of {res['repeats']}"
     )
-    print(f"{'format':<16}{'tok/s':>9}{'x float32':>11}{'tokens = fp32':>15}{'ppl/fp32':>10}")
+    w = max(16, *(len(r["name"]) + 2 for r in res["formats"]))
+    print(f"{'format':<{w}}{'tok/s':>9}{'x float32':>11}{'tokens = fp32':>15}{'ppl/fp32':>10}")
     for r in res["formats"]:
         ppl, vs, same = (
             r.get(k) for k in ("perplexity_vs_float32", "vs_float32", "same_tokens_as_float32")
         )  # absent without a float32 row: left blank, not printed as zero
         print(
-            f"{r['name']:<16}{r['continuous_tokens_per_s']:>9.1f}"
+            f"{r['name']:<{w}}{r['continuous_tokens_per_s']:>9.1f}"
             f"{'-' if vs is None else f'{vs:.2f}':>11}{'-' if same is None else f'{same:.1%}':>15}"
             f"{'' if ppl is None else f'{ppl:.4f}':>10}"
         )
+    for r in res["formats"]:  # the batch-invariant mode's price, against the same format
+        fmt = r["name"].partition("+")[0]
+        ratios = [
+            f"{r[k]:.2f}x {fmt}{suffix}"
+            for k, suffix in (("vs_compiled", "+compile"), ("vs_eager", ""))
+            if k in r
+        ]
+        if ratios:
+            print(f"{r['name']}: " + ", ".join(ratios))
     for p in res["peers"]:
-        vs = p.get("llmlib_vs_vllm")
-        print(
-            f"{p['name']:<16}{p['tokens_per_s']:>9.1f}"
-            + (f"   llmlib {p['dtype']} / vLLM {p['dtype']}: {vs:.2f}x" if vs is not None else "")
-        )
+        dt = p["dtype"]
+        vs = [
+            f"llmlib {name} / vLLM {dt}: {p[k]:.2f}x"
+            for k, name in (("llmlib_vs_vllm", dt), ("compiled_vs_vllm", dt + "+compile"))
+            if p.get(k) is not None
+        ]
+        print(f"{p['name']:<{w}}{p['tokens_per_s']:>9.1f}" + "".join("   " + v for v in vs))
 
 
 def format_names(text: str) -> list[str]:
     """``--formats`` for the engine (``+compile``: ``LLM(compile=True)``; ``+invariant``:
-    ``LLM(batch_invariant=True)``); a ValueError names an unknown one."""
+    ``LLM(batch_invariant=True)``, eager, and ``+invariant+compile`` compiled); a ValueError
+    names an unknown one."""
     out = []
     for item in text.split(","):
         item = item.strip()
-        if item.endswith("+invariant"):
-            parse_formats(item.removesuffix("+invariant"))  # the format itself must be known
+        if item.endswith(("+invariant", "+invariant+compile")):
+            parse_formats(item.partition("+")[0])  # the format itself must be known
             out.append(item)
         else:
             out += [name + ("+compile" if comp else "") for name, comp in parse_formats(item)]

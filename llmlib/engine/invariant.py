@@ -33,6 +33,17 @@ The products run in whatever format the model was loaded in (bfloat16 in oneDNN'
 default on a CPU with AMX, float32 elsewhere): fixing the shape is what makes any deterministic
 kernel invariant. Attention runs in float32. What it costs, ``llmlib bench batching
 --batch-invariant`` measures against the default mode in the same run.
+
+Compiled (``LLM(path, batch_invariant=True)`` on a CPU by default, as the default engine is;
+``compile=False`` keeps the steps above), the mode holds the shape still instead
+(:class:`InvariantRows`): every token of a step is one row of a group of exactly ``ROW_TILE``
+rows, run through one compiled graph of that shape. A compiled graph picks its own kernels and
+fuses operators as it likes, but having only ever seen one shape it runs the same code for every
+group, and nothing in it mixes rows: products, norms and activations are row by row, and the paged
+kernel gives each row its own keys. The graph is compiled once per machine and kept on disk
+(:mod:`llmlib.engine.compiled`); compiled in memory (a model built in memory), inductor may tune
+its kernels differently in another process, so the guarantee is within one engine's process.
+Its results are not bitwise those of the eager steps above, only equally invariant.
 """
 
 from __future__ import annotations
@@ -42,8 +53,9 @@ from dataclasses import dataclass
 
 import torch
 
+from llmlib.engine.graphs import StaticDecodeStep
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
-from llmlib.kernels.paged_attention import decode_attention
+from llmlib.kernels.paged_attention import decode_attention, serves_spec
 from llmlib.model.attention import AttentionSpec, soft_cap
 
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
@@ -245,3 +257,113 @@ class InvariantStep(PagedStep):
         out = q.new_zeros(B * T + 1, H, D)
         out[tl.q_index] = o.to(q.dtype)  # padding rows all land in the extra row
         return out[: B * T].view(B, T, H, D).transpose(1, 2)
+
+
+def rows_compile(model: torch.nn.Module, cache: PagedKVCache) -> str | None:
+    """Why the batch-invariant steps cannot run compiled over ``cache`` (None: they can).
+
+    The compiled groups of :class:`InvariantRows` attend through the paged kernel, whose order
+    is fixed by each query's position; the fallbacks of a fixed-shape step (a masked product
+    over the padded blocks) sum in an order that depends on the padding."""
+    if not cache.kernel:
+        return "the paged attention kernel does not run here"
+    if not all(serves_spec(layer.attn.spec) for layer in getattr(model, "layers", ())):
+        return "a layer's attention is not the fused function"
+    return None
+
+
+class InvariantRows:
+    """Batch-invariant steps through one compiled graph of exactly ``ROW_TILE`` rows.
+
+    Every token of a step, a prompt's or a decoded one, is one row: its id, its position, its
+    sequence's block table. The rows go through the fixed-shape step
+    (:class:`~llmlib.engine.graphs.StaticDecodeStep`) ``ROW_TILE`` at a time, the last group
+    padded with rows that write into the scratch block. The graph only ever sees that one
+    shape, so every product is the same kernel on the same shape and row ``i`` depends on row
+    ``i`` alone; the paged kernel gives each row its own keys, in an order fixed by its position.
+    A group's keys are written before its queries read them, and groups run in order, so a
+    prompt's later tokens see its earlier ones whichever group they fell in.
+
+    The price against the eager mode: a group that holds no sampled token still computes the
+    LM head for its rows (the graph's output is the logits).
+    """
+
+    def __init__(
+        self,
+        forward,
+        cache: PagedKVCache,
+        scratch_block: int,
+        max_blocks: int,
+        rows: int = ROW_TILE,
+    ) -> None:
+        self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
+        self.rows, self.max_blocks = rows, max_blocks
+        self._steps: dict[int, StaticDecodeStep] = {}
+
+    def _step(self, blocks: int) -> StaticDecodeStep:
+        # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
+        # the blocks a row's length covers, so the width changes nothing in a row's sums
+        nb = min(1 << (max(blocks, 2) - 1).bit_length(), max(self.max_blocks, 2))
+        if nb not in self._steps:
+            self._steps[nb] = StaticDecodeStep(self.cache, self.rows, nb, self.scratch_block)
+        return self._steps[nb]
+
+    @torch.inference_mode()  # as the engine's steps run: a graph compiled here serves them
+    def run_padding(self) -> None:
+        """One group of padding rows: a graph compiled in memory compiles here."""
+        step = self._step(2)
+        self.forward(step.ids, step.positions, step)
+
+    def run(self, chunks: Seq[SeqChunk], ids: Seq[int], select: Seq[int]) -> torch.Tensor:
+        """Logits ``[len(select), vocab]`` at the flat token indices ``select`` of ``chunks``
+        packed in order (what :meth:`~llmlib.engine.runner.ModelRunner.forward_packed` returns)."""
+        bs, n, scratch = self.cache.block_size, self.rows, self.scratch_block
+        total = sum(c.length for c in chunks)
+        padded = -(-total // n) * n
+        # every row's position and its sequence's block table; padding rows: position 0 of the
+        # scratch block, which no sequence owns
+        pos = torch.zeros(padded, dtype=torch.long)
+        tables = torch.full((padded, max(-(-(c.start + c.length) // bs) for c in chunks)), scratch)
+        r = 0
+        for c in chunks:
+            need = -(-(c.start + c.length) // bs)
+            pos[r : r + c.length] = torch.arange(c.start, c.start + c.length)
+            tables[r : r + c.length, :need] = torch.as_tensor(
+                [int(b) for b in c.block_table[:need]]
+            )
+            r += c.length
+        tok = torch.zeros(padded, dtype=torch.long)
+        tok[:total] = torch.as_tensor(list(ids), dtype=torch.long)
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        sel = torch.as_tensor(list(select), dtype=torch.long)
+        out: torch.Tensor | None = None
+        for g0 in range(0, padded, n):
+            g = slice(g0, g0 + n)
+            step = self._step(int(pos[g].max()) // bs + 1)
+            nb = step.num_blocks
+            width = min(nb, tables.shape[1])
+            table = torch.full((n, nb), scratch, dtype=torch.long)
+            table[:, :width] = tables[g, :width]
+            self._fill(step, tok[g], pos[g], slots[g], table)
+            logits = self.forward(step.ids, step.positions, step)
+            if out is None:
+                out = logits.new_empty(len(sel), logits.shape[-1])
+            mine = (sel >= g0) & (sel < g0 + n)
+            if bool(mine.any()):
+                out[mine] = logits[sel[mine] - g0]
+        if out is None:
+            raise ValueError("InvariantRows.run: a step with no tokens")
+        return out
+
+    @staticmethod
+    def _fill(step: StaticDecodeStep, tok, pos, slots, table) -> None:
+        """Copy one group's rows into the fixed-shape step's buffers (the mask is the fallback
+        attention's, unread by the kernel, but kept true to the rows)."""
+        group = step.layout.decodes[0]
+        key_pos = torch.arange(group.mask.shape[-1])
+        step.ids.copy_(tok[None])
+        step.layout.positions.copy_(pos[None])
+        step.layout.write_slots.copy_(slots)
+        group.table.copy_(table.reshape(-1))
+        group.mask.copy_((key_pos[None, :] <= pos[:, None])[:, None, None, :])
+        group.lens.copy_(pos + 1)

@@ -87,7 +87,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_options: Any = None,
         speculative_config: Any = None,  # a SpeculativeConfig (llmlib.engine.speculate)
-        batch_invariant: bool = False,  # logits bitwise independent of the batch: engine.invariant
+        batch_invariant: bool = False,  # logits bitwise the same in any batch: engine.invariant
         compile: bool | None = None,  # compile the CPU decode steps (default: compiles_by_default)
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
@@ -116,7 +116,7 @@ class LLM:
             p = next(model_obj.parameters())
             if compile is None:
                 tp, spec = self._tp is not None, speculative_config
-                compile = compiles_by_default(model, p.device, batch_invariant, spec, tp)
+                compile = compiles_by_default(model, p.device, spec, tp)
             # the KV pool is held in the model's (activations') dtype, whatever the weights are in
             self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
             if not isinstance(block_size, int) or block_size <= 0:

@@ -47,40 +47,53 @@ class ModelRunner:
         cfg = model.config
         #: every step through llmlib.engine.invariant (fixed row tiles, tiled attention)
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            cuda_graphs = False  # the fixed-shape decode step uses the default attention
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.dtype
-        if batch_invariant:  # every product in fixed row tiles, on a view sharing the weights
-            from llmlib.engine.invariant import ROW_TILE
-            from llmlib.kernels.prepare import row_tiled
-
-            model = row_tiled(model, ROW_TILE)
-        self.model = model
-        if compile:
-            if batch_invariant or self.device.type != "cpu":
-                why = "the batch-invariant mode fixes its own kernels" if batch_invariant else (
-                    "on CUDA the decode steps replay CUDA graphs"
-                )  # fmt: skip
-                raise ValueError(f"compile=True compiles the CPU engine's decode steps: {why}")
+        if compile and self.device.type != "cpu":
+            raise ValueError(
+                "compile=True compiles the CPU engine's decode steps: "
+                "on CUDA the decode steps replay CUDA graphs"
+            )
+        if batch_invariant:
+            cuda_graphs = False  # the fixed-shape decode step uses the default attention
+        elif compile:
             cuda_graphs = True  # the fixed-shape steps, run (not captured) by the compiled graph
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        # With graphs the pool gets one block more than the block manager hands out: the scratch
-        # block that a fixed-shape step's padding rows write into.
+        # With graphs, or compiled invariant groups, the pool gets one block more than the block
+        # manager hands out: the scratch block that a fixed-shape step's padding rows write into.
         self.cache = PagedKVCache(
             cfg.n_layers,
-            num_blocks + (1 if cuda_graphs else 0),
+            num_blocks + (1 if cuda_graphs or compile else 0),
             cfg.n_kv_heads,
             block_size,
             cfg.head_dim,
             device=self.device,
             dtype=self.dtype,
         )
-        forward = self._forward_rows
         self.compile_s: float | None = None
         #: which all-decode step runs: "eager", or the compiled one and where it came from
         self.decode_path = "eager"
+        self._compiled = None  # a graph compiled in memory (not loaded from a package)
+        #: the batch-invariant mode's compiled groups (every step's tokens, ROW_TILE at a time)
+        self.rows = None
+        if batch_invariant:
+            from llmlib.engine.invariant import ROW_TILE, InvariantRows, rows_compile
+            from llmlib.kernels.prepare import row_tiled
+
+            why = rows_compile(model, self.cache) if compile else None
+            if why is not None:
+                self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
+            if compile and why is None:
+                self.model = model
+                max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
+                forward = self._compiled_forward(ROW_TILE)
+                self.rows = InvariantRows(forward, self.cache, num_blocks, max_blocks, ROW_TILE)
+            else:  # every product in fixed row tiles, on a view sharing the weights
+                model = row_tiled(model, ROW_TILE)
+            compile = False
+        self.model = model
+        forward = self._forward_rows
         if compile:
             forward = self._compiled_forward()
         self.graphs: PagedDecodeGraphs | None = None
@@ -97,16 +110,16 @@ class ModelRunner:
             )
         self.forward_passes = 0
 
-    def _compiled_forward(self):
+    def _compiled_forward(self, rows: int | None = None):
         """The compiled all-decode step: from the disk cache (compiled and stored there first,
         if need be) for a model loaded from a file (:func:`llmlib.engine.compiled.load_engine_step`),
-        else one ``torch.compile`` graph in memory, shared by every engine on the model."""
+        else one ``torch.compile`` graph in memory, shared by every engine on the model.
+        ``rows``: a graph of exactly that many rows (the batch-invariant groups)."""
         from llmlib.engine.compiled import load_engine_step
         from llmlib.runtime.aot import print_progress
 
-        self._compiled = None
         t0 = time.perf_counter()
-        forward, cached = load_engine_step(self.model, self.cache, log=print_progress)
+        forward, cached = load_engine_step(self.model, self.cache, print_progress, rows)
         if forward is not None:
             self.compile_s = None if cached else time.perf_counter() - t0
             self.decode_path = "compiled (from the cache)" if cached else "compiled (now, cached)"
@@ -128,7 +141,10 @@ class ModelRunner:
                 flush=True,
             )
         t0 = time.perf_counter()
-        self.graphs.run_padding(rows)
+        if self.rows is not None:
+            self.rows.run_padding()
+        else:
+            self.graphs.run_padding(rows)
         self._compiled.warm = True
         return time.perf_counter() - t0
 
@@ -155,6 +171,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The forward pass itself, on block tables and token ids alone (what a tensor-parallel
         worker, which has no sequences, runs too): logits [len(select), V] at ``select``."""
+        if self.rows is not None:  # batch-invariant, compiled: every token a row of a group
+            self.forward_passes += 1
+            return self.rows.run(chunks, ids, select)
         if self.batch_invariant:
             from llmlib.engine.invariant import InvariantStep
 

@@ -107,7 +107,7 @@ def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
     from llmlib.device import compiles_by_default, pick_device
 
     device, tp = pick_device(args.device), args.tensor_parallel_size > 1
-    return compiles_by_default(args.model, device, args.batch_invariant, spec, tp)
+    return compiles_by_default(args.model, device, spec, tp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the CPU engine's decode steps compiled ahead of time, kept on disk (the first start "
         "compiles, about a minute; later ones load them). Default: on a CPU, except with "
-        "--batch-invariant, --speculative or --tensor-parallel-size above 1",
+        "--speculative or --tensor-parallel-size above 1",
     )
     from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
