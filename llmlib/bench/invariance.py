@@ -1,8 +1,9 @@
 """``llmlib bench invariance``: is a request's output the same alone and in company?
 
-Runs :func:`llmlib.analysis.invariance.measure` on the real model, default mode and batch-invariant mode,
-on prompts cut from the book's corpus, and writes per case the largest logit difference, the
-share of bitwise-identical steps and every greedy divergence (with the two tokens' text).
+Runs :func:`llmlib.analysis.invariance.measure` on the real model, default mode and
+batch-invariant mode (eager; ``batch_invariant_compiled`` for its compiled groups too), on
+prompts cut from the book's corpus, and writes per case the largest logit difference, the share
+of bitwise-identical steps and every greedy divergence (with the two tokens' text).
 Correctness, not speed: it runs under ``cpu-run``, not ``bench-run``.
 """
 
@@ -33,12 +34,12 @@ def run(
 
     out: dict[str, Any] = {}
     for mode in modes:
-        inv = mode == "batch_invariant"
+        inv, comp = mode.startswith("batch_invariant"), mode.endswith("_compiled")
         log(f"-- {mode}")
 
-        def make(inv: bool = inv, **kw: Any) -> LLM:
+        def make(inv: bool = inv, comp: bool = comp, **kw: Any) -> LLM:
             kw.setdefault("num_blocks", 2048)
-            return LLM(model, tokenizer, batch_invariant=inv, max_num_seqs=64, **kw)
+            return LLM(model, tokenizer, batch_invariant=inv, compile=comp, max_num_seqs=64, **kw)
 
         res = measure(make, prompts, max_tokens, cases, log=log)
         cases_out = {}
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["default", "batch_invariant"],
-        choices=["default", "batch_invariant"],
+        choices=["default", "batch_invariant", "batch_invariant_compiled"],
+        help="batch_invariant_compiled: the mode's compiled 32-row groups (engine.invariant)",
     )
     ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     from llmlib.cli.common import add_format_args, model_format

@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     path = getattr(engine.llm.runner, "decode_path", "eager")
     if engine.llm.compile_s is not None:
         path += f" in {engine.llm.compile_s:.0f} s"
-    print(f"llmlib serve: decode steps {path}", flush=True)
+    what = "batch-invariant steps" if args.batch_invariant else "decode steps"
+    print(f"llmlib serve: {what} {path}", flush=True)
     app = create_app(
         engine.start(),
         name,
