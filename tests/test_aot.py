@@ -123,6 +123,33 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path)
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == got
 
 
+def test_the_batch_invariant_groups_come_from_a_package_of_their_own(model_file, tmp_path) -> None:
+    """``LLM(path, batch_invariant=True)`` compiles by default: its 32-row group is a package of
+    its own (rows fixed), the next engine loads it, and a request's log-probabilities are bitwise
+    the same alone and in a batch, whichever engine computed them."""
+    from llmlib.analysis.invariance import measure
+
+    prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
+    params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, dtype="float32")
+    with forced(cache=tmp_path, compile_default=True):
+        first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
+        assert first.runner.decode_path == "compiled (now, cached)" and first.runner.rows
+        assert len(list((tmp_path / "compiled").glob("engine-bs4-rows32-*.pt2"))) == 1
+        alone = first.generate(prompts[-1:], params, use_tqdm=False)[0]
+        again = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
+        assert again.runner.decode_path == "compiled (from the cache)"
+        batched = again.generate(prompts, params, use_tqdm=False)[-1]
+        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (alone, batched)]
+        assert batched.token_ids == alone.token_ids and lp[0] == lp[1]
+
+        def make(**k):
+            return llmlib.LLM(model_file, Tok(), batch_invariant=True, **{**kw, **k})
+
+        for case, r in measure(make, prompts, 6, ("batch-4", "chunk-7")).items():
+            assert r.identical_share == 1.0, case
+
+
 def test_a_step_that_cannot_be_packaged_is_not_tried_again(model_file, tmp_path) -> None:
     """A step export refuses compiles in memory, and the reason is kept beside the package's
     name: the next start goes straight to memory instead of failing the export again, and its

@@ -80,7 +80,8 @@ def load_engine_step(
             "pool": tuple({0: pool} for _ in range(2 * cache.n_layers)),
         }
         args = (*step.inputs, *cache.k, *cache.v)
-        aot.export_and_package(wrapper, model, args, shapes, path, log, "the engine's decode step")
+        what = f"the batch-invariant {rows}-row step" if rows else "the engine's decode step"
+        aot.export_and_package(wrapper, model, args, shapes, path, log, what)
 
     kind = f"engine-bs{cache.block_size}" + (f"-rows{rows}" if rows else "")
     loaded, cached = aot.load_step(model, kind, wrapper, compile, log)
