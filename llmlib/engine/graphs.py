@@ -128,17 +128,24 @@ class StaticDecodeStep:
             ids[0, i], pos[0, i] = t, c.start
             table[i, :need] = torch.as_tensor([int(x) for x in c.block_table[:need]])
             slots[i] = table[i, c.start // bs] * bs + c.start % bs
-        mask = self._key_pos[None, :] <= pos[0, :, None]  # padding rows: position 0, so key 0 only
+        self.load(ids[0], pos[0], slots, table)
+
+    def load(
+        self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor
+    ) -> None:
+        """Copy one step's rows into the buffers: token ids, positions and write slots ``[rows]``,
+        block table ``[rows, blocks]``; the mask and key counts follow from the positions
+        (padding rows: position 0, so key 0 only)."""
         group = self.layout.decodes[0]
-        self.ids.copy_(ids)
-        self.layout.positions.copy_(pos)
+        self.ids.copy_(ids[None])
+        self.layout.positions.copy_(pos[None])
         self.layout.write_slots.copy_(slots)
-        group.table.copy_(table.view(-1))
-        group.mask.copy_(mask[:, None, None, :])
-        group.lens.copy_(pos[0] + 1)
+        group.table.copy_(table.reshape(-1))
+        group.mask.copy_((self._key_pos[None, :] <= pos[:, None])[:, None, None, :])
+        group.lens.copy_(pos + 1)
 
 
-def _bucket(n: int, limit: int) -> int:
+def bucket(n: int, limit: int) -> int:
     """The smallest power of two >= n, capped at ``limit`` (n itself must be <= limit)."""
     b = 1
     while b < n:
@@ -217,8 +224,8 @@ class PagedDecodeGraphs:
     def key(self, chunks: Sequence[Any]) -> tuple[int, int]:
         bs = self.cache.block_size
         return (
-            _bucket(max(len(chunks), self.min_size), self.max_rows),
-            _bucket(max(self.min_size, *(c.start // bs + 1 for c in chunks)), self.max_blocks),
+            bucket(max(len(chunks), self.min_size), self.max_rows),
+            bucket(max(self.min_size, *(c.start // bs + 1 for c in chunks)), self.max_blocks),
         )
 
     def capture(self, max_rows: int | None = None, max_blocks: int | None = None) -> int:
@@ -226,8 +233,8 @@ class PagedDecodeGraphs:
         largest first, so that timed runs never pay for a capture. Returns how many exist."""
         R = min(max_rows or self.max_rows, self.max_rows)
         NB = min(max_blocks or self.max_blocks, self.max_blocks)
-        rows = sorted({_bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
-        blocks = sorted({_bucket(n, self.max_blocks) for n in range(1, NB + 1)}, reverse=True)
+        rows = sorted({bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
+        blocks = sorted({bucket(n, self.max_blocks) for n in range(1, NB + 1)}, reverse=True)
         return self.steps.capture([(r, b) for r in rows for b in blocks])
 
     @torch.inference_mode()
@@ -235,7 +242,7 @@ class PagedDecodeGraphs:
         """Run the fixed-shape step of ``rows`` rows (a bucket) once, all padding: it writes only
         into the scratch block. A compiled forward compiles here, before any request waits."""
         size = min(self.min_size, self.max_blocks)
-        step = self.steps.entry((_bucket(max(rows, self.min_size), self.max_rows), size))[0]
+        step = self.steps.entry((bucket(max(rows, self.min_size), self.max_rows), size))[0]
         self.forward(step.ids, step.positions, step)
 
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlib.engine.graphs import StaticDecodeStep
+from llmlib.engine.graphs import StaticDecodeStep, bucket
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
 from llmlib.kernels.paged_attention import decode_attention, serves_spec
 from llmlib.model.attention import AttentionSpec, soft_cap
@@ -303,7 +303,7 @@ class InvariantRows:
     def _step(self, blocks: int) -> StaticDecodeStep:
         # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
         # the blocks a row's length covers, so the width changes nothing in a row's sums
-        nb = min(1 << (max(blocks, 2) - 1).bit_length(), max(self.max_blocks, 2))
+        nb = bucket(max(blocks, 2), max(self.max_blocks, 2))
         if nb not in self._steps:
             self._steps[nb] = StaticDecodeStep(self.cache, self.rows, nb, self.scratch_block)
         return self._steps[nb]
@@ -344,7 +344,7 @@ class InvariantRows:
             width = min(nb, tables.shape[1])
             table = torch.full((n, nb), scratch, dtype=torch.long)
             table[:, :width] = tables[g, :width]
-            self._fill(step, tok[g], pos[g], slots[g], table)
+            step.load(tok[g], pos[g], slots[g], table)
             logits = self.forward(step.ids, step.positions, step)
             if out is None:
                 out = logits.new_empty(len(sel), logits.shape[-1])
@@ -354,16 +354,3 @@ class InvariantRows:
         if out is None:
             raise ValueError("InvariantRows.run: a step with no tokens")
         return out
-
-    @staticmethod
-    def _fill(step: StaticDecodeStep, tok, pos, slots, table) -> None:
-        """Copy one group's rows into the fixed-shape step's buffers (the mask is the fallback
-        attention's, unread by the kernel, but kept true to the rows)."""
-        group = step.layout.decodes[0]
-        key_pos = torch.arange(group.mask.shape[-1])
-        step.ids.copy_(tok[None])
-        step.layout.positions.copy_(pos[None])
-        step.layout.write_slots.copy_(slots)
-        group.table.copy_(table.reshape(-1))
-        group.mask.copy_((key_pos[None, :] <= pos[:, None])[:, None, None, :])
-        group.lens.copy_(pos + 1)

@@ -85,7 +85,7 @@ class ModelRunner:
             if why is not None:
                 self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
             if compile and why is None:
-                self.model = model
+                self.model = model  # the graph multiplies the model's own matrices
                 max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
                 forward = self._compiled_forward(ROW_TILE)
                 self.rows = InvariantRows(forward, self.cache, num_blocks, max_blocks, ROW_TILE)
