@@ -123,10 +123,13 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path)
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == got
 
 
-def test_the_batch_invariant_groups_come_from_a_package_of_their_own(model_file, tmp_path) -> None:
-    """``LLM(path, batch_invariant=True)`` compiles by default: its 32-row group is a package of
-    its own (rows fixed), the next engine loads it, and a request's log-probabilities are bitwise
-    the same alone and in a batch, whichever engine computed them."""
+def test_the_batch_invariant_groups_run_through_the_engines_package(model_file, tmp_path) -> None:
+    """``LLM(path, batch_invariant=True)`` compiles by default, into the engine's own package
+    (its groups are two fixed row counts of the same graph); the next engine loads it. A
+    request's log-probabilities are bitwise the same alone and in a batch, whichever engine
+    computed them. A next turn (the prompt and its answer, continued) reads the same keys alone
+    and after the first turn filled the prefix cache: the blocks holding the answer, computed
+    in the generated tokens' groups, are not taken for the same tokens given as a prompt."""
     from llmlib.analysis.invariance import measure
 
     prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
@@ -135,7 +138,7 @@ def test_the_batch_invariant_groups_come_from_a_package_of_their_own(model_file,
     with forced(cache=tmp_path, compile_default=True):
         first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
         assert first.runner.decode_path == "compiled (now, cached)" and first.runner.rows
-        assert len(list((tmp_path / "compiled").glob("engine-bs4-rows32-*.pt2"))) == 1
+        assert len(list((tmp_path / "compiled").glob("engine-bs4-*.pt2"))) == 1
         alone = first.generate(prompts[-1:], params, use_tqdm=False)[0]
         again = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
         assert again.runner.decode_path == "compiled (from the cache)"
@@ -148,6 +151,13 @@ def test_the_batch_invariant_groups_come_from_a_package_of_their_own(model_file,
 
         for case, r in measure(make, prompts, 6, ("batch-4", "chunk-7")).items():
             assert r.identical_share == 1.0, case
+        turn = [prompts[-1] + alone.token_ids + [3]]  # 19 tokens: blocks 3 and 4 hold the answer
+        fresh = make().generate(turn, params, use_tqdm=False)[0]
+        hits = again.block_manager.num_prefix_hit_blocks
+        after = again.generate(turn, params, use_tqdm=False)[0]
+        assert again.block_manager.num_prefix_hit_blocks - hits == 3  # the prompt's blocks only
+        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (fresh, after)]
+        assert after.token_ids == fresh.token_ids and lp[0] == lp[1]
 
 
 def test_a_step_that_cannot_be_packaged_is_not_tried_again(model_file, tmp_path) -> None:

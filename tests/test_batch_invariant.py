@@ -200,14 +200,16 @@ def test_the_forced_path_is_the_one_that_runs(attention):
         assert step.rows_plan is None and step.tiles is not None
 
 
-# ---- compiled: every token a row of a fixed 32-row group (engine.invariant.InvariantRows) ----
+# ---- compiled: every token a row of a group of fixed size (engine.invariant.InvariantRows) ----
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
-    """InvariantRows run eagerly, over a step of prompt chunks and decode tokens spread across
-    three groups (one cut inside a prompt): the same logits, bit for bit, as the eager mode's
-    InvariantStep, which takes every product in 32-row tiles and attends with the same kernel."""
+    """InvariantRows run eagerly, with both kinds of group at 32 rows, over a step of prompt
+    chunks, a recomputed sequence (prompt and generated tokens in one chunk) and a decode token,
+    spread over several groups: the same logits, bit for bit, as the eager mode's InvariantStep,
+    which takes every product in 32-row tiles and attends with the same kernel. So routing the
+    tokens into groups, generated ones after prompts, loses no key a token must see."""
     if not paged_attention.available():
         pytest.skip("the paged attention kernel cannot run on this machine")
     from llmlib.engine.invariant import InvariantRows
@@ -216,20 +218,29 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
 
     torch.manual_seed(0)
     runner = ModelRunner(tiny(dtype), num_blocks=40, block_size=4, batch_invariant=True)
-    chunks = [  # a prompt in two chunks, a whole prompt, one decode token (blocks 0-29)
-        SeqChunk(list(range(0, 10)), 0, 23),
-        SeqChunk(list(range(10, 20)), 0, 30),
-        SeqChunk(list(range(0, 10)), 23, 12),
-        SeqChunk(list(range(20, 30)), 0, 1),
+    chunks = [  # a prompt in two chunks (the second generated), a recompute, a decode token
+        SeqChunk(list(range(0, 10)), 0, 23, 23),
+        SeqChunk(list(range(10, 20)), 0, 30, 25),
+        SeqChunk(list(range(0, 10)), 23, 12, 23),
+        SeqChunk(list(range(20, 30)), 3, 1, 3),
     ]
     ids = torch.randint(CFG.vocab_size, (66,)).tolist()
+    runner.forward_packed([SeqChunk(list(range(20, 30)), 0, 3)], ids[-4:-1], [2])  # 3 in pool
+    ids = ids[:65] + ids[-1:]
     select = [22, 52, 64, 65]  # the end of each chunk
     ref = runner.forward_packed(chunks[:2] + chunks[3:], ids[:53] + ids[65:], [22, 52, 53])
     ref_2nd = runner.forward_packed(chunks[2:3], ids[53:65], [11])
-    rows = InvariantRows(runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10)
+    rows = InvariantRows(
+        runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10, prompt_rows=32
+    )
     got = rows.run(chunks, ids, select)
     assert torch.equal(got[[0, 1, 3]], ref) and torch.equal(got[2:3], ref_2nd)
     assert len(rows._steps) == 2  # tables of 8 and 16 blocks: rounded up to powers of two
+    # by default a prompt's tokens go in 128-row groups: other sums, near the same logits
+    both = InvariantRows(runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10)
+    near = both.run(chunks, ids, select)
+    assert sorted({rows for rows, _ in both._steps}) == [32, 128]
+    torch.testing.assert_close(near, got, atol=0.05, rtol=0.02)
 
 
 def test_without_the_kernel_the_invariant_mode_stays_eager():

@@ -15,6 +15,7 @@ class FakeSeq:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 def compute_all(bm: BlockManager, seq: FakeSeq) -> None:
@@ -139,6 +140,25 @@ def test_decode_filled_blocks_are_indexed_with_the_chain_hash():
     assert bm.blocks[s.block_table[0]].hash == h0
     assert bm.hash_to_block[h0] == s.block_table[0]
     assert bm.blocks[s.block_table[1]].hash is None  # 2 tokens in it: not full yet
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_blocks_of_generated_tokens_can_be_named_apart(apart):
+    """``outputs_apart`` (the compiled batch-invariant engine, which computes a prompt's tokens
+    and generated ones in groups of two sizes): a next turn whose prompt holds the first turn's
+    answer hits only the blocks that were prompt in both; the first turn's own recompute (a
+    preemption) still hits its mixed block, named the same way both times."""
+    bm = BlockManager(num_blocks=16, block_size=4, outputs_apart=apart)
+    first = FakeSeq(list(range(6)), num_prompt_tokens=6)
+    bm.allocate(first)
+    for t in range(6, 13):  # an answer of 7 tokens: block 1 mixed, block 2 all generated
+        first.token_ids.append(t)
+        bm.append_slots(first)
+        compute_all(bm, first)
+    turn = FakeSeq(list(range(14)), num_prompt_tokens=14)
+    assert len(bm.plan(turn).hits) == (1 if apart else 3)
+    again = FakeSeq(list(range(13)), num_prompt_tokens=6)  # the first turn, recomputed
+    assert len(bm.plan(again).hits) == 3
 
 
 def test_uncomputed_blocks_are_unindexed_when_freed():

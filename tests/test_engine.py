@@ -182,7 +182,7 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     again = LLM(model, tok, compile=True, **kw)
     assert again.compile_s < llm.compile_s / 10 and counters["stats"]["unique_graphs"] == 1
-    # the batch-invariant mode's fixed 32-row groups run through the same graph
+    # the batch-invariant mode's groups (two fixed row counts) run through the same graph
     inv = LLM(model, tok, compile=True, batch_invariant=True, **kw)
     assert inv.runner.rows is not None and counters["stats"]["unique_graphs"] == 1
 

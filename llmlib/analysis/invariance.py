@@ -11,6 +11,8 @@ tokens with the same prompt run alone (whole prompt in one chunk, no prefix cach
   recomputed (only requests that really were preempted are counted);
 * ``prefix-hit``: alone, after a request with the same prompt filled the prefix cache, so its
   prompt's full blocks are read from the cache instead of computed.
+* ``next-turn``: a conversation's next turn (the prompt, its answer and one token more), alone,
+  and after the first turn left its blocks, the answer's included, in the prefix cache.
 
 Per case: the largest absolute logit difference, the share of steps whose logits are bitwise
 identical, and every greedy divergence (the prompt, the step, the two tokens). Steps after a
@@ -28,7 +30,10 @@ import torch
 from llmlib.sampling import SamplingParams
 
 #: the cases :func:`measure` runs by default
-CASES = ("batch-4", "batch-16", "batch-64", "chunk-7", "chunk-32", "preempted", "prefix-hit")
+CASES = (
+    "batch-4", "batch-16", "batch-64", "chunk-7", "chunk-32", "preempted", "prefix-hit",
+    "next-turn",
+)  # fmt: skip
 
 
 @dataclass
@@ -170,9 +175,19 @@ def measure(
             for p in prompts:
                 run_requests(llm, [p], 1, batch=1)  # fills the cache with p's full blocks
                 runs += run_requests(llm, [p], max_tokens, batch=1)
+        elif kind == "next":
+            # the reference is the next turn alone; then each first turn, and its next turn
+            # on the same engine, whose prefix cache now holds the first turn's answer
+            turns = [[*p, *a.tokens, a.tokens[-1]] for p, a in zip(prompts, alone)]
+            ref = run_requests(make_llm(**base), turns, max_tokens, batch=1)
+            llm = make_llm(**{**base, "enable_prefix_caching": True})
+            runs = []
+            for p, t in zip(prompts, turns):
+                run_requests(llm, [p], max_tokens, batch=1)
+                runs += run_requests(llm, [t], max_tokens, batch=1)
         else:
             raise ValueError(f"unknown case {case!r}; cases look like {CASES}")
-        out[case] = r = compare(case, alone, runs)
+        out[case] = r = compare(case, ref if kind == "next" else alone, runs)
         log(
             f"{case:>10}: {r.requests} requests, {r.identical_share:.1%} of {r.steps} steps "
             f"bitwise identical, max |diff| {r.max_abs_diff:.3g}, "

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["default", "batch_invariant"],
         choices=["default", "batch_invariant", "batch_invariant_compiled"],
-        help="batch_invariant_compiled: the mode's compiled 32-row groups (engine.invariant)",
+        help="batch_invariant_compiled: the mode's compiled groups (engine.invariant)",
     )
     ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     from llmlib.cli.common import add_format_args, model_format

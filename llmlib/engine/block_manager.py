@@ -77,7 +77,11 @@ class BlockManager:
     """Free list, reference counts, block tables and the prefix-cache index of a block pool."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        outputs_apart: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -86,6 +90,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        #: name a block holding generated tokens apart from the same tokens given as a prompt
+        #: (the compiled batch-invariant engine computes the two kinds in groups of two sizes)
+        self.outputs_apart = outputs_apart
         self.blocks = [Block(i) for i in range(num_blocks)]
         # The free list is ordered oldest-freed first: we hand out the oldest block, so a block
         # freed recently (likely a prefix someone will ask for again) keeps its contents longest.
@@ -124,6 +131,16 @@ class BlockManager:
         block.ref_count = 1
         return block
 
+    def _hash(self, seq: SequenceView, i: int, parent: int | None, chunk: Seq[int]) -> int:
+        """The chain hash of ``seq``'s full block ``i``; with :attr:`outputs_apart`, a block
+        holding generated tokens also names where in it the prompt ends."""
+        h = block_hash(parent, chunk)
+        if self.outputs_apart:
+            in_prompt = seq.num_prompt_tokens - i * self.block_size
+            if in_prompt < self.block_size:
+                h = hash((h, "generated", max(in_prompt, 0)))
+        return h
+
     def plan(self, seq: SequenceView, use_cache: bool = True) -> AllocationPlan:
         """How many blocks admitting ``seq`` would take, and which prefix blocks it would reuse.
 
@@ -140,7 +157,7 @@ class BlockManager:
         hitting = self.enable_prefix_caching and use_cache
         for i in range(n_blocks):
             chunk = tokens[i * bs : (i + 1) * bs]
-            h = block_hash(parent, chunk) if len(chunk) == bs else None
+            h = self._hash(seq, i, parent, chunk) if len(chunk) == bs else None
             plan.hashes.append(h)
             parent = h
             # The last token is never taken from the cache: its logits are needed to sample
@@ -257,7 +274,7 @@ class BlockManager:
                 if i and parent is None:
                     continue  # parent unhashed (prefix caching turned on midway): no chain
                 chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                block.hash = block_hash(parent, chunk)
+                block.hash = self._hash(seq, i, parent, chunk)
                 block.token_ids = chunk
                 self.hash_to_block.setdefault(block.hash, block.block_id)
 

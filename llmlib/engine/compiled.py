@@ -50,41 +50,36 @@ class EngineStep(nn.Module):
 
 
 def load_engine_step(
-    model: nn.Module,
-    cache: PagedKVCache,
-    log: Callable[[str], None] | None = None,
-    rows: int | None = None,
+    model: nn.Module, cache: PagedKVCache, log: Callable[[str], None] | None = None
 ):
     """``forward(ids, positions, step)`` for the engine's fixed-shape decode steps over ``cache``,
     from its package on disk (compiled and stored first if there is none): ``(forward, cached)``,
     or ``(None, False)`` where the model has no key or the step cannot be compiled ahead of time
-    here (the runner then compiles it in memory). ``rows`` fixes the number of rows (the
-    batch-invariant engine's groups, :class:`llmlib.engine.invariant.InvariantRows`); by default
-    it is a symbol, so one package serves every batch."""
+    here (the runner then compiles it in memory). The rows are a symbol: one package serves
+    every batch, and both group sizes of the batch-invariant engine
+    (:class:`llmlib.engine.invariant.InvariantRows`)."""
     wrapper = EngineStep(model)
 
     def compile(path: Path) -> None:
         # example sizes unlike any other size of the graph (heads, block size): a symbolic size
         # equal to another in the example would be taken for the same symbol
-        step = StaticDecodeStep(cache, rows or 7, 5, cache.num_blocks - 1)
-        r = {} if rows else {0: torch.export.Dim("rows", min=2, max=4096)}
+        step = StaticDecodeStep(cache, 7, 5, cache.num_blocks - 1)
+        rows = torch.export.Dim("rows", min=2, max=4096)
         blocks = torch.export.Dim("blocks", min=2, max=1 << 16)
         pool = torch.export.Dim("pool", min=2)
         shapes = {
-            "ids": {1: r[0]} if r else {},
-            "positions": {1: r[0]} if r else {},
-            "write_slots": r,
-            "table": {**r, 1: blocks},
-            "mask": {**r, 3: blocks * cache.block_size},
-            "lens": r,
+            "ids": {1: rows},
+            "positions": {1: rows},
+            "write_slots": {0: rows},
+            "table": {0: rows, 1: blocks},
+            "mask": {0: rows, 3: blocks * cache.block_size},
+            "lens": {0: rows},
             "pool": tuple({0: pool} for _ in range(2 * cache.n_layers)),
         }
         args = (*step.inputs, *cache.k, *cache.v)
-        what = f"the batch-invariant {rows}-row step" if rows else "the engine's decode step"
-        aot.export_and_package(wrapper, model, args, shapes, path, log, what)
+        aot.export_and_package(wrapper, model, args, shapes, path, log, "the engine's decode step")
 
-    kind = f"engine-bs{cache.block_size}" + (f"-rows{rows}" if rows else "")
-    loaded, cached = aot.load_step(model, kind, wrapper, compile, log)
+    loaded, cached = aot.load_step(model, f"engine-bs{cache.block_size}", wrapper, compile, log)
     if loaded is None:
         return None, False
 

@@ -35,15 +35,16 @@ kernel invariant. Attention runs in float32. What it costs, ``llmlib bench batch
 --batch-invariant`` measures against the default mode in the same run.
 
 Compiled (``LLM(path, batch_invariant=True)`` on a CPU by default, as the default engine is;
-``compile=False`` keeps the steps above), the mode holds the shape still instead
-(:class:`InvariantRows`): every token of a step is one row of a group of exactly ``ROW_TILE``
-rows, run through one compiled graph of that shape. A compiled graph picks its own kernels and
-fuses operators as it likes, but having only ever seen one shape it runs the same code for every
-group, and nothing in it mixes rows: products, norms and activations are row by row, and the paged
-kernel gives each row its own keys. The graph is compiled once per machine and kept on disk
-(:mod:`llmlib.engine.compiled`); compiled in memory (a model built in memory), inductor may tune
-its kernels differently in another process, so the guarantee is within one engine's process.
-Its results are not bitwise those of the eager steps above, only equally invariant.
+``compile=False`` keeps the steps above), the mode holds the shapes still instead
+(:class:`InvariantRows`): every token of a step is one row of a group of exactly
+``PROMPT_TILE`` rows (a prompt's tokens) or ``ROW_TILE`` rows (generated ones), run through the
+engine's compiled step. A compiled graph picks its own kernels and fuses operators as it likes,
+but fed one shape it runs the same code every time, and nothing in it mixes rows: products,
+norms and activations are row by row, and the paged kernel gives each row its own keys. The
+graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.compiled`), shared with
+the default engine; compiled in memory (a model built in memory), inductor may tune its kernels
+differently in another process, so the guarantee is within one engine's process. Its results
+are not bitwise those of the eager steps above, only equally invariant.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ from llmlib.model.attention import AttentionSpec, soft_cap
 
 #: rows per weight-matrix product (bfloat16 oneDNN and float32 MKL both change kernels with M)
 ROW_TILE = 32
+#: rows per group of prompt tokens in the compiled mode (:class:`InvariantRows`)
+PROMPT_TILE = 128
 #: query positions per attention tile, and keys per key tile
 Q_TILE = 2
 K_TILE = 64
@@ -273,19 +276,26 @@ def rows_compile(model: torch.nn.Module, cache: PagedKVCache) -> str | None:
 
 
 class InvariantRows:
-    """Batch-invariant steps through one compiled graph of exactly ``ROW_TILE`` rows.
+    """Batch-invariant steps through one compiled graph, fed groups of a fixed number of rows.
 
-    Every token of a step, a prompt's or a decoded one, is one row: its id, its position, its
-    sequence's block table. The rows go through the fixed-shape step
-    (:class:`~llmlib.engine.graphs.StaticDecodeStep`) ``ROW_TILE`` at a time, the last group
-    padded with rows that write into the scratch block. The graph only ever sees that one
-    shape, so every product is the same kernel on the same shape and row ``i`` depends on row
-    ``i`` alone; the paged kernel gives each row its own keys, in an order fixed by its position.
-    A group's keys are written before its queries read them, and groups run in order, so a
-    prompt's later tokens see its earlier ones whichever group they fell in.
+    Every token of a step is one row: its id, its position, its sequence's block table. A
+    token of its request's prompt goes into a group of ``prompt_rows`` rows, a generated token
+    into a group of ``rows`` rows, the last group of each kind padded with rows that write into
+    the scratch block. Each kind of group has one shape, so each runs the same code every time,
+    and nothing in the graph mixes rows: products, norms and activations are row by row, and the
+    paged kernel gives each row its own keys, in an order fixed by its position. Which group a
+    token joins depends on nothing but whether its position is in its request's prompt, so a
+    token's logits stay the same alone, batched, chunked or recomputed after a preemption.
 
-    The price against the eager mode: a group that holds no sampled token still computes the
-    LM head for its rows (the graph's output is the logits).
+    Two sizes, because a larger product costs less per row but more per step: prompts arrive
+    hundreds of tokens at a time, decoding a handful. A prompt's tokens and the same tokens
+    generated are computed apart, so the block manager names blocks that hold generated tokens
+    apart from prompt blocks (:class:`~llmlib.engine.block_manager.BlockManager`'s
+    ``outputs_apart``): a next turn's prompt never reads keys computed as generated ones.
+
+    Groups run prompts first, then generated tokens, each in packing order: a group's keys are
+    written before its queries read them, so every token sees all of its sequence before it.
+    A group holding no sampled token still computes the LM head (the graph's output is logits).
     """
 
     def __init__(
@@ -295,62 +305,73 @@ class InvariantRows:
         scratch_block: int,
         max_blocks: int,
         rows: int = ROW_TILE,
+        prompt_rows: int = PROMPT_TILE,
     ) -> None:
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
-        self.rows, self.max_blocks = rows, max_blocks
-        self._steps: dict[int, StaticDecodeStep] = {}
+        self.rows, self.prompt_rows, self.max_blocks = rows, prompt_rows, max_blocks
+        self._steps: dict[tuple[int, int], StaticDecodeStep] = {}
 
-    def _step(self, blocks: int) -> StaticDecodeStep:
+    def _step(self, rows: int, blocks: int) -> StaticDecodeStep:
         # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
         # the blocks a row's length covers, so the width changes nothing in a row's sums
         nb = bucket(max(blocks, 2), max(self.max_blocks, 2))
-        if nb not in self._steps:
-            self._steps[nb] = StaticDecodeStep(self.cache, self.rows, nb, self.scratch_block)
-        return self._steps[nb]
+        if (rows, nb) not in self._steps:
+            self._steps[rows, nb] = StaticDecodeStep(self.cache, rows, nb, self.scratch_block)
+        return self._steps[rows, nb]
 
     @torch.inference_mode()  # as the engine's steps run: a graph compiled here serves them
     def run_padding(self) -> None:
         """One group of padding rows: a graph compiled in memory compiles here."""
-        step = self._step(2)
+        step = self._step(self.rows, 2)
         self.forward(step.ids, step.positions, step)
 
     def run(self, chunks: Seq[SeqChunk], ids: Seq[int], select: Seq[int]) -> torch.Tensor:
         """Logits ``[len(select), vocab]`` at the flat token indices ``select`` of ``chunks``
-        packed in order (what :meth:`~llmlib.engine.runner.ModelRunner.forward_packed` returns)."""
-        bs, n, scratch = self.cache.block_size, self.rows, self.scratch_block
+        packed in order (what :meth:`~llmlib.engine.runner.ModelRunner.forward_packed` returns).
+        A chunk's ``num_prompt_tokens`` routes its tokens (None: all are the prompt's)."""
+        bs, scratch = self.cache.block_size, self.scratch_block
         total = sum(c.length for c in chunks)
-        padded = -(-total // n) * n
-        # every row's position and its sequence's block table; padding rows: position 0 of the
-        # scratch block, which no sequence owns
-        pos = torch.zeros(padded, dtype=torch.long)
-        tables = torch.full((padded, max(-(-(c.start + c.length) // bs) for c in chunks)), scratch)
+        # every token's position, its sequence's block table and whether it is a prompt token
+        pos = torch.zeros(total, dtype=torch.long)
+        prompt = torch.zeros(total, dtype=torch.bool)
+        tables = torch.full((total, max(-(-(c.start + c.length) // bs) for c in chunks)), scratch)
         r = 0
         for c in chunks:
             need = -(-(c.start + c.length) // bs)
             pos[r : r + c.length] = torch.arange(c.start, c.start + c.length)
+            n_prompt = c.num_prompt_tokens
+            prompt[r : r + c.length] = pos[r : r + c.length] < (n_prompt or c.start + c.length)
             tables[r : r + c.length, :need] = torch.as_tensor(
                 [int(b) for b in c.block_table[:need]]
             )
             r += c.length
-        tok = torch.zeros(padded, dtype=torch.long)
-        tok[:total] = torch.as_tensor(list(ids), dtype=torch.long)
+        tok = torch.as_tensor(list(ids), dtype=torch.long)
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         sel = torch.as_tensor(list(select), dtype=torch.long)
+        row_of = torch.full((total,), -1, dtype=torch.long)  # a token's row in its group
         out: torch.Tensor | None = None
-        for g0 in range(0, padded, n):
-            g = slice(g0, g0 + n)
-            step = self._step(int(pos[g].max()) // bs + 1)
-            nb = step.num_blocks
-            width = min(nb, tables.shape[1])
-            table = torch.full((n, nb), scratch, dtype=torch.long)
-            table[:, :width] = tables[g, :width]
-            step.load(tok[g], pos[g], slots[g], table)
-            logits = self.forward(step.ids, step.positions, step)
-            if out is None:
-                out = logits.new_empty(len(sel), logits.shape[-1])
-            mine = (sel >= g0) & (sel < g0 + n)
-            if bool(mine.any()):
-                out[mine] = logits[sel[mine] - g0]
+        for route, n in ((prompt, self.prompt_rows), (~prompt, self.rows)):
+            members = route.nonzero()[:, 0]
+            for g0 in range(0, len(members), n):
+                m = members[g0 : g0 + n]
+                k = len(m)
+                step = self._step(n, int(pos[m].max()) // bs + 1)
+                nb = step.num_blocks
+                width = min(nb, tables.shape[1])
+                # padding rows: position 0 of the scratch block, which no sequence owns
+                g_tok, g_pos = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+                g_slot = torch.full((n,), scratch * bs, dtype=torch.long)
+                table = torch.full((n, nb), scratch, dtype=torch.long)
+                g_tok[:k], g_pos[:k], g_slot[:k] = tok[m], pos[m], slots[m]
+                table[:k, :width] = tables[m, :width]
+                step.load(g_tok, g_pos, g_slot, table)
+                logits = self.forward(step.ids, step.positions, step)
+                if out is None:
+                    out = logits.new_empty(len(sel), logits.shape[-1])
+                row_of[m] = torch.arange(k)
+                mine = torch.isin(sel, m)
+                if bool(mine.any()):
+                    out[mine] = logits[row_of[sel[mine]]]
         if out is None:
             raise ValueError("InvariantRows.run: a step with no tokens")
         return out

@@ -148,6 +148,7 @@ class LLM:
                 )  # fmt: skip
                 if compile:  # now, before any request waits for it
                     self.compile_s = self.runner.compile_now(min(32, max_num_seqs))
+                self.block_manager.outputs_apart = self.runner.rows is not None  # InvariantRows
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
             self._spec = engine_speculator(
                 speculative_config, self._tp is not None, self.model, self.runner.cache
@@ -156,8 +157,7 @@ class LLM:
             self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
             self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
             self._ids = itertools.count()
-            self._stats = EngineStats()
-            self._block_hits0 = 0
+            self._stats, self._block_hits0 = EngineStats(), 0
         except BaseException:
             self.shutdown()
             raise

@@ -112,6 +112,7 @@ class SeqChunk:
     block_table: Seq[int]
     start: int
     length: int
+    num_prompt_tokens: int | None = None  # the compiled invariant groups route by it
 
 
 class PrefillChunk(NamedTuple):

@@ -75,7 +75,7 @@ class ModelRunner:
         #: which all-decode step runs: "eager", or the compiled one and where it came from
         self.decode_path = "eager"
         self._compiled = None  # a graph compiled in memory (not loaded from a package)
-        #: the batch-invariant mode's compiled groups (every step's tokens, ROW_TILE at a time)
+        #: the batch-invariant mode's compiled groups (every step's tokens, in fixed-size groups)
         self.rows = None
         if batch_invariant:
             from llmlib.engine.invariant import ROW_TILE, InvariantRows, rows_compile
@@ -87,8 +87,8 @@ class ModelRunner:
             if compile and why is None:
                 self.model = model  # the graph multiplies the model's own matrices
                 max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
-                forward = self._compiled_forward(ROW_TILE)
-                self.rows = InvariantRows(forward, self.cache, num_blocks, max_blocks, ROW_TILE)
+                forward = self._compiled_forward()  # the default engine's graph
+                self.rows = InvariantRows(forward, self.cache, num_blocks, max_blocks)
             else:  # every product in fixed row tiles, on a view sharing the weights
                 model = row_tiled(model, ROW_TILE)
             compile = False
@@ -110,16 +110,15 @@ class ModelRunner:
             )
         self.forward_passes = 0
 
-    def _compiled_forward(self, rows: int | None = None):
+    def _compiled_forward(self):
         """The compiled all-decode step: from the disk cache (compiled and stored there first,
         if need be) for a model loaded from a file (:func:`llmlib.engine.compiled.load_engine_step`),
-        else one ``torch.compile`` graph in memory, shared by every engine on the model.
-        ``rows``: a graph of exactly that many rows (the batch-invariant groups)."""
+        else one ``torch.compile`` graph in memory, shared by every engine on the model."""
         from llmlib.engine.compiled import load_engine_step
         from llmlib.runtime.aot import print_progress
 
         t0 = time.perf_counter()
-        forward, cached = load_engine_step(self.model, self.cache, print_progress, rows)
+        forward, cached = load_engine_step(self.model, self.cache, print_progress)
         if forward is not None:
             self.compile_s = None if cached else time.perf_counter() - t0
             self.decode_path = "compiled (from the cache)" if cached else "compiled (now, cached)"
@@ -163,7 +162,10 @@ class ModelRunner:
         ids: list[int] = []
         for c in chunks:
             ids += c.seq.token_ids[c.start : c.start + c.length] + c.draft
-        seq_chunks = [SeqChunk(c.seq.block_table, c.start, c.length + len(c.draft)) for c in chunks]
+        seq_chunks = [
+            SeqChunk(c.seq.block_table, c.start, c.length + len(c.draft), c.seq.num_prompt_tokens)
+            for c in chunks
+        ]
         return self.forward_packed(seq_chunks, ids, select)
 
     def forward_packed(

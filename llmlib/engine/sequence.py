@@ -24,6 +24,9 @@ class SequenceView(Protocol):
     num_computed_tokens: int  # tokens whose keys/values are in the pool
     num_cached_tokens: int  # of those, how many the prefix cache supplied
 
+    @property
+    def num_prompt_tokens(self) -> int: ...  # read where generated blocks are hashed apart
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
