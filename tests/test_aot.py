@@ -75,7 +75,8 @@ def test_the_key_follows_the_file_the_format_and_the_machines_choices(model_file
 def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> None:
     """``LLM(compile=True)`` on a model from a file: the all-decode steps (every batch size and
     history length: one package) give the eager engine's tokens, and the next engine loads the
-    package instead of compiling; ``LLM(path)`` does so by default."""
+    package instead of compiling; ``LLM(path)`` does so by default, and so does the
+    batch-invariant engine (:func:`_batch_invariant_groups_through_the_same_package`)."""
     prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
     params = llmlib.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(num_blocks=64, block_size=4, max_num_seqs=8)
@@ -95,6 +96,42 @@ def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> Non
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == want
     with forced(cache=tmp_path, compile_default=False):  # LLMLIB_COMPILE=0
         assert llmlib.LLM(model_file, Tok(), dtype="float32", **kw).runner.decode_path == "eager"
+    _batch_invariant_groups_through_the_same_package(model_file, tmp_path, prompts)
+
+
+def _batch_invariant_groups_through_the_same_package(model_file, tmp_path, prompts) -> None:
+    """``LLM(path, batch_invariant=True)`` compiles by default, through the engine's own package
+    (its groups are two fixed row counts of the same graph): it loads the package the default
+    engine stored. A request's log-probabilities are bitwise the same alone and in a batch. A
+    next turn (the prompt and its answer, continued) reads the same keys alone and after the
+    first turn filled the prefix cache: the blocks holding the answer, computed in the generated
+    tokens' groups, are not taken for the same tokens given as a prompt."""
+    from llmlib.analysis.invariance import measure
+
+    params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, dtype="float32")
+    with forced(cache=tmp_path, compile_default=True):
+        first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
+        assert first.runner.decode_path == "compiled (from the cache)" and first.runner.rows
+        assert len(list((tmp_path / "compiled").glob("engine-bs4-*.pt2"))) == 1
+        alone = first.generate(prompts[-1:], params, use_tqdm=False)[0]
+        again = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
+        batched = again.generate(prompts, params, use_tqdm=False)[-1]
+        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (alone, batched)]
+        assert batched.token_ids == alone.token_ids and lp[0] == lp[1]
+
+        def make(**k):
+            return llmlib.LLM(model_file, Tok(), batch_invariant=True, **{**kw, **k})
+
+        for case, r in measure(make, prompts, 6, ("batch-4", "chunk-7")).items():
+            assert r.identical_share == 1.0, case
+        turn = [prompts[-1] + alone.token_ids + [3]]  # 19 tokens: blocks 3 and 4 hold the answer
+        fresh = make().generate(turn, params, use_tqdm=False)[0]
+        hits = again.block_manager.num_prefix_hit_blocks
+        after = again.generate(turn, params, use_tqdm=False)[0]
+        assert again.block_manager.num_prefix_hit_blocks - hits == 3  # the prompt's blocks only
+        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (fresh, after)]
+        assert after.token_ids == fresh.token_ids and lp[0] == lp[1]
 
 
 def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path) -> None:
@@ -121,43 +158,6 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path)
         )
         assert again.runner.decode_path == "compiled (from the cache)"
         assert [o.token_ids for o in again.generate(prompts, params, use_tqdm=False)] == got
-
-
-def test_the_batch_invariant_groups_run_through_the_engines_package(model_file, tmp_path) -> None:
-    """``LLM(path, batch_invariant=True)`` compiles by default, into the engine's own package
-    (its groups are two fixed row counts of the same graph); the next engine loads it. A
-    request's log-probabilities are bitwise the same alone and in a batch, whichever engine
-    computed them. A next turn (the prompt and its answer, continued) reads the same keys alone
-    and after the first turn filled the prefix cache: the blocks holding the answer, computed
-    in the generated tokens' groups, are not taken for the same tokens given as a prompt."""
-    from llmlib.analysis.invariance import measure
-
-    prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
-    params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
-    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, dtype="float32")
-    with forced(cache=tmp_path, compile_default=True):
-        first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
-        assert first.runner.decode_path == "compiled (now, cached)" and first.runner.rows
-        assert len(list((tmp_path / "compiled").glob("engine-bs4-*.pt2"))) == 1
-        alone = first.generate(prompts[-1:], params, use_tqdm=False)[0]
-        again = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
-        assert again.runner.decode_path == "compiled (from the cache)"
-        batched = again.generate(prompts, params, use_tqdm=False)[-1]
-        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (alone, batched)]
-        assert batched.token_ids == alone.token_ids and lp[0] == lp[1]
-
-        def make(**k):
-            return llmlib.LLM(model_file, Tok(), batch_invariant=True, **{**kw, **k})
-
-        for case, r in measure(make, prompts, 6, ("batch-4", "chunk-7")).items():
-            assert r.identical_share == 1.0, case
-        turn = [prompts[-1] + alone.token_ids + [3]]  # 19 tokens: blocks 3 and 4 hold the answer
-        fresh = make().generate(turn, params, use_tqdm=False)[0]
-        hits = again.block_manager.num_prefix_hit_blocks
-        after = again.generate(turn, params, use_tqdm=False)[0]
-        assert again.block_manager.num_prefix_hit_blocks - hits == 3  # the prompt's blocks only
-        lp = [[e.logprob for e in r.outputs[0].logprobs] for r in (fresh, after)]
-        assert after.token_ids == fresh.token_ids and lp[0] == lp[1]
 
 
 def test_a_step_that_cannot_be_packaged_is_not_tried_again(model_file, tmp_path) -> None:
