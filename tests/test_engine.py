@@ -184,7 +184,9 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
     assert again.compile_s < llm.compile_s / 10 and counters["stats"]["unique_graphs"] == 1
     # the batch-invariant mode's groups (two fixed row counts) run through the same graph
     inv = LLM(model, tok, compile=True, batch_invariant=True, **kw)
+    inv.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
     assert inv.runner.rows is not None and counters["stats"]["unique_graphs"] == 1
+    assert {rows for rows, _ in inv.runner.rows._steps} == {32, 128}  # both sizes ran
 
 
 def test_static_decode_step_padding_touches_only_the_scratch_block():
