@@ -76,6 +76,26 @@ def test_errors_name_the_problem(forced_on) -> None:
         torch.ops.llmlib_matvec.matvec(torch.zeros(1, 8), torch.zeros(4, 16))
 
 
+@pytest.mark.skipif(not native.has_avx2(), reason="no AVX2 or AVX-512: no kernel here")
+def test_a_finished_build_is_loaded_without_the_build_tool(monkeypatch) -> None:
+    """A kernel built once on this machine is found by its source and flags and loaded as it
+    is: cpp_extension (and its ninja, which rebuilds whenever the checkout's path changed) is
+    not called. Another source or other flags name another build."""
+    from torch.utils import cpp_extension
+
+    which = "avx512" if native.has_avx512() else "avx2"
+    args = ("llmlib_matvec_" + which, "matvec.cpp", native.flags_for(which))
+    assert native.build(*args, "one-row float32 kernel")  # built here (once per machine)
+    assert native.cached(*args)
+
+    def refuse(**kw):
+        raise AssertionError("cpp_extension.load called for a finished build")
+
+    monkeypatch.setattr(cpp_extension, "load", refuse)
+    assert native.build(*args, "one-row float32 kernel")
+    assert not native.cached(args[0], args[1], [*args[2], "-DLLMLIB_OTHER"])
+
+
 def test_loading_a_model_leaves_dynamo_unimported(smollm2_path, tmp_path) -> None:
     """Nothing on the loading path imports torch._dynamo: in every process, the bench's resident
     memory would count it as weights."""

@@ -53,27 +53,55 @@ def flags_for(which: str) -> list[str]:
     return AVX512 if which == "avx512" else AVX2
 
 
-def cached(name: str) -> bool:
-    """Whether extension ``name`` is already compiled in cpp_extension's cache."""
+def _versioned(name: str, source: str, flags: list[str]) -> str:
+    """``name`` with a digest of the source, the flags and PyTorch's version: a build is found
+    again by its contents, whichever checkout (path) of llmlib asks for it."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256((CSRC / source).read_bytes())
+    h.update(" ".join([*_COMMON, *flags, torch.__version__]).encode())
+    return f"{name}_{h.hexdigest()[:12]}"
+
+
+def _built(name: str) -> Path | None:
+    """The finished library of extension ``name`` in cpp_extension's cache, if there is one."""
     from torch.utils import cpp_extension
 
     try:
         where = Path(cpp_extension._get_build_directory(name, False))
     except Exception:  # a private helper of cpp_extension: a newer PyTorch may move it
-        return False
-    return (where / f"{name}.so").exists()
+        return None
+    # a build in progress (another process holds the lock) is left to cpp_extension to wait for
+    so = where / f"{name}.so"
+    return so if so.exists() and not (where / "lock").exists() else None
+
+
+def cached(name: str, source: str, flags: list[str]) -> bool:
+    """Whether extension ``name`` is already compiled in cpp_extension's cache."""
+    return _built(_versioned(name, source, flags)) is not None
 
 
 def build(name: str, source: str, flags: list[str], what: str) -> bool:
     """Compile (the first time on a machine) and load ``csrc/<source>`` as extension ``name``;
-    False, with one warning naming ``what``, where that fails. Callers cache the answer."""
+    False, with one warning naming ``what``, where that fails. Callers cache the answer.
+
+    A finished build is loaded directly. ``cpp_extension.load`` would run ninja again, and
+    ninja rebuilds whenever the source's path differs from the last build's, as it does in
+    every fresh clone of the repository."""
+    import torch
     from torch.utils import cpp_extension
 
-    if not cached(name):
-        print(f"llmlib: compiling the {what} (once per machine)...", file=sys.stderr)
+    full = _versioned(name, source, flags)
     try:
+        so = _built(full)
+        if so is not None:
+            torch.ops.load_library(str(so))
+            return True
+        print(f"llmlib: compiling the {what} (once per machine)...", file=sys.stderr)
         cpp_extension.load(
-            name=name,
+            name=full,
             sources=[str(CSRC / source)],
             extra_cflags=_COMMON + flags,
             extra_ldflags=["-fopenmp"],
