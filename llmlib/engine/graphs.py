@@ -117,32 +117,37 @@ class StaticDecodeStep:
         n, bs, nb = len(chunks), self.cache.block_size, self.num_blocks
         if not 0 < n <= self.num_rows:
             raise ValueError(f"StaticDecodeStep: {n} chunks for a step of {self.num_rows} rows")
-        ids = torch.zeros((1, self.num_rows), dtype=torch.long)
-        pos = torch.zeros((1, self.num_rows), dtype=torch.long)
-        slots = torch.full((self.num_rows,), self.scratch_block * bs, dtype=torch.long)
-        table = torch.full((self.num_rows, nb), self.scratch_block, dtype=torch.long)
-        for i, (c, t) in enumerate(zip(chunks, token_ids)):
+        pos = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        table = torch.full((n, nb), self.scratch_block, dtype=torch.long)
+        for i, c in enumerate(chunks):
             need = c.start // bs + 1
             if c.length != 1 or need > nb or len(c.block_table) < need:
                 raise ValueError(f"StaticDecodeStep: chunk {c} is not one token within {nb} blocks")
-            ids[0, i], pos[0, i] = t, c.start
             table[i, :need] = torch.as_tensor([int(x) for x in c.block_table[:need]])
-            slots[i] = table[i, c.start // bs] * bs + c.start % bs
-        self.load(ids[0], pos[0], slots, table)
+        slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        self.load(torch.as_tensor(list(token_ids[:n]), dtype=torch.long), pos, slots, table)
 
     def load(
         self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor
     ) -> None:
-        """Copy one step's rows into the buffers: token ids, positions and write slots ``[rows]``,
-        block table ``[rows, blocks]``; the mask and key counts follow from the positions
-        (padding rows: position 0, so key 0 only)."""
+        """Copy one step's ``k`` real rows into the buffers: token ids, positions and write slots
+        ``[k]``, block tables ``[k, <= blocks]``. The other rows are padding: token 0 at position
+        0 of the scratch block, which no sequence owns; the mask and key counts follow from the
+        positions (padding rows: key 0 only)."""
+        k, R, bs = len(ids), self.num_rows, self.cache.block_size
+        full = torch.zeros((2, R), dtype=torch.long)  # ids, positions
+        full[0, :k], full[1, :k] = ids, pos
+        all_slots = torch.full((R,), self.scratch_block * bs, dtype=torch.long)
+        all_slots[:k] = slots
+        all_table = torch.full((R, self.num_blocks), self.scratch_block, dtype=torch.long)
+        all_table[:k, : table.shape[1]] = table
         group = self.layout.decodes[0]
-        self.ids.copy_(ids[None])
-        self.layout.positions.copy_(pos[None])
-        self.layout.write_slots.copy_(slots)
-        group.table.copy_(table.reshape(-1))
-        group.mask.copy_((self._key_pos[None, :] <= pos[:, None])[:, None, None, :])
-        group.lens.copy_(pos + 1)
+        self.ids.copy_(full[0][None])
+        self.layout.positions.copy_(full[1][None])
+        self.layout.write_slots.copy_(all_slots)
+        group.table.copy_(all_table.view(-1))
+        group.mask.copy_((self._key_pos[None, :] <= full[1][:, None])[:, None, None, :])
+        group.lens.copy_(full[1] + 1)
 
 
 def bucket(n: int, limit: int) -> int:

@@ -355,16 +355,8 @@ class InvariantRows:
             for g0 in range(0, len(members), n):
                 m = members[g0 : g0 + n]
                 k = len(m)
-                step = self._step(n, int(pos[m].max()) // bs + 1)
-                nb = step.num_blocks
-                width = min(nb, tables.shape[1])
-                # padding rows: position 0 of the scratch block, which no sequence owns
-                g_tok, g_pos = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-                g_slot = torch.full((n,), scratch * bs, dtype=torch.long)
-                table = torch.full((n, nb), scratch, dtype=torch.long)
-                g_tok[:k], g_pos[:k], g_slot[:k] = tok[m], pos[m], slots[m]
-                table[:k, :width] = tables[m, :width]
-                step.load(g_tok, g_pos, g_slot, table)
+                step = self._step(n, int(pos[m].max()) // bs + 1)  # the rest: padding rows
+                step.load(tok[m], pos[m], slots[m], tables[m, : step.num_blocks])
                 logits = self.forward(step.ids, step.positions, step)
                 if out is None:
                     out = logits.new_empty(len(sel), logits.shape[-1])
