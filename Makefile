@@ -6,6 +6,24 @@
 # pyproject.toml changes; the model is fetched once and checked by its SHA-256.
 
 PYTHON ?= python3
+
+# `make test CPU=avx2` (or CPU=zen4) runs everything as that class of CPU would run it, on this
+# one: llmlib takes that class's choices (LLMLIB_AS_CPU) and PyTorch, inductor, oneDNN and MKL are
+# held to its instructions. Its code paths, not its speed (llmlib/kernels/flags.py says more).
+CPU ?=
+ifeq ($(CPU),avx2)
+export LLMLIB_AS_CPU=avx2
+export ATEN_CPU_CAPABILITY=avx2
+export ONEDNN_MAX_CPU_ISA=AVX2
+export MKL_ENABLE_INSTRUCTIONS=AVX2
+else ifeq ($(CPU),zen4)
+export LLMLIB_AS_CPU=zen4
+export ATEN_CPU_CAPABILITY=avx512
+export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+export MKL_ENABLE_INSTRUCTIONS=AVX512
+else ifneq ($(CPU),)
+$(error CPU=$(CPU): expected avx2 or zen4, or nothing for this machine's own class)
+endif
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed

@@ -311,7 +311,10 @@ def device_name(device: str | torch.device | None = None) -> str:
 
 
 def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    """The CPU's model, and the class it runs as where ``LLMLIB_AS_CPU`` says so (its records must
+    not pass for that class's own)."""
+    name = _cpuinfo("model name") or platform.processor() or platform.machine()
+    return f"{name}, run as {flags().as_cpu}" if flags().as_cpu else name
 
 
 def machine_info(device: str | torch.device | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ engine, the compiled generator and the compiled engine must give the eager gener
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from test_gguf import random_hf_weights, write_gguf
 
 import llmlib
 from llmlib.config import ModelConfig
-from llmlib.kernels.flags import flags, forced, paths
+from llmlib.kernels.flags import CLASSES, class_env, flags, forced, paths, read
 
 CFG = ModelConfig(
     name="forced",
@@ -59,7 +60,8 @@ FORMATS = {
 PROMPTS = [[5, 9, 11, 3, 7], [40, 41, 42] * 5, [200, 17], [9] * 23]
 NEW = 10
 
-PATHS = paths()
+#: a child process (below) runs as another class, whose own list differs: it takes its parent's
+PATHS = json.loads(os.environ.get("FORCED_PATHS_CHILD") or "null") or paths()
 
 
 def _name(p: dict) -> str:
@@ -86,7 +88,9 @@ def _ran_apart(request, path: dict) -> bool:
             and item.callspec.params.get("path") == path
         ]
         flags_env = dataclasses.replace(flags(), **path).as_env()
-        env = {**os.environ, **flags_env, "FORCED_PATHS_CHILD": "1"}
+        if path["isa"] == "avx2":  # PyTorch, inductor and oneDNN held to AVX2 as well
+            flags_env = {**class_env("avx2"), **flags_env}
+        env = {**os.environ, **flags_env, "FORCED_PATHS_CHILD": json.dumps(PATHS)}
         cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *ids]
         root = Path(__file__).parents[1]
         run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
@@ -261,3 +265,48 @@ def test_the_flags_record_is_read_once(monkeypatch) -> None:
     with forced(paged_kernel=not first.paged_kernel) as f:
         assert flags() is f and f.paged_kernel != first.paged_kernel
     assert flags() is first
+
+
+def test_a_class_of_cpu_is_run_as_its_own_choices() -> None:
+    """``LLMLIB_AS_CPU``: llmlib takes the class's choices, and only where the libraries below it
+    were held to the same instructions and this CPU can execute them; each refusal names why."""
+    env = class_env("avx2")
+    own = read(env={})
+    if not {"avx2", "fma", "f16c"} <= own.cpu_flags:
+        pytest.skip("this CPU cannot run AVX2 code")
+    f = read(env=env)
+    assert (f.as_cpu, f.vendor, f.isa, f.integer) == ("avx2", "AuthenticAMD", "avx2", "avx2")
+    assert f.matvec and f.onednn_float32 and not f.onednn_bfloat16 and not f.fused_norm
+    assert f.activations == "float32" and not f.native_bf16
+    with pytest.raises(ValueError, match="ATEN_CPU_CAPABILITY=avx2"):
+        read(env={k: v for k, v in env.items() if k != "ATEN_CPU_CAPABILITY"})
+    with pytest.raises(ValueError, match="lacks avx512_bf16"):
+        read(
+            env=class_env("zen4"), cpu=("GenuineIntel", CLASSES["zen4"].cpu_flags - {"avx512_bf16"})
+        )
+    zen4 = read(
+        env=class_env("zen4"), cpu=("GenuineIntel", CLASSES["zen4"].cpu_flags | {"amx_tile"})
+    )
+    assert (zen4.isa, zen4.integer, zen4.activations) == ("avx512", "vnni", "bfloat16")
+    assert zen4.onednn_bfloat16 and zen4.matvec and "amx_tile" not in zen4.cpu_flags
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_process_run_as_a_class_holds_the_libraries_to_it(name) -> None:
+    """In a process started as the class, PyTorch dispatches to its instructions, inductor writes
+    code for them (no AMX micro-kernels for a class without AMX) and records name the class."""
+    need = {f for f in CLASSES[name].cpu_flags if f.startswith(("avx", "fma", "f16c"))}
+    if not need <= read(env={}).cpu_flags:
+        pytest.skip(f"this CPU cannot run as {name}")
+    code = (
+        "import torch, llmlib.device as d; from llmlib.kernels.flags import flags; "
+        "from torch._inductor.cpu_vec_isa import pick_vec_isa; flags(); "
+        "print(torch.backends.cpu.get_cpu_capability(), '|', pick_vec_isa(), '|', d.cpu_name())"
+    )
+    env = {**os.environ, **class_env(name)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    capability, isa, cpu = (s.strip() for s in out.stdout.split("|"))
+    assert capability == CLASSES[name].env["ATEN_CPU_CAPABILITY"].upper()
+    assert isa.split()[0] == CLASSES[name].env["ATEN_CPU_CAPABILITY"] and "amx" not in isa
+    assert cpu.endswith(f"run as {name}")

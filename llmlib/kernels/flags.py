@@ -34,7 +34,15 @@ variable                    values                 what it decides (default)
                                                    start (600)
 ``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
                                                    joining its group (``0``; for tests)
+``LLMLIB_AS_CPU``           ``avx2``, ``zen4``     run as that class of CPU (see below)
 ==========================  =====================  ==============================================
+
+``LLMLIB_AS_CPU`` makes this machine take the choices another class of CPU would: llmlib reads
+that class's vendor and flags (:data:`CLASSES`) instead of ``/proc/cpuinfo``. PyTorch, inductor,
+oneDNN and MKL pick their instructions for themselves, so the same class must be named to them
+before Python starts (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``);
+a mismatch is an error that names the variable. ``make test CPU=avx2`` sets all four. It runs
+another class's code paths, not its speed: the instructions come from this CPU's subset.
 
 A variable with any other value is an error that names it. :func:`flags` reads the variables and
 ``/proc/cpuinfo`` the first time it is called and returns the same record after that;
@@ -54,6 +62,47 @@ from pathlib import Path
 ISAS = ("avx512", "avx2", "none")
 INTEGER = ("vnni", "avx2", "off")
 ACTIVATIONS = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CpuClass:
+    """A class of CPU this machine can run as: what its ``/proc/cpuinfo`` says, and the variables
+    that keep PyTorch (and inductor's code), oneDNN and MKL to its instructions."""
+
+    vendor: str
+    cpu_flags: frozenset[str]
+    env: Mapping[str, str]
+
+
+_BASE = "sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe aes pclmulqdq"
+#: The classes the project has run on besides Intel's with AMX: an AMD EPYC with AVX2 only (no
+#: AVX-512, no bfloat16 arithmetic) and an AMD Zen 4 (AVX-512 with VNNI and BF16, no AMX).
+CLASSES = {
+    "avx2": CpuClass(
+        "AuthenticAMD",
+        frozenset(f"{_BASE} sha_ni clzero sse4a".split()),
+        {
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        },
+    ),
+    "zen4": CpuClass(
+        "AuthenticAMD",
+        frozenset(
+            f"{_BASE} sha_ni sse4a avx512f avx512dq avx512cd avx512bw avx512vl avx512ifma "
+            "avx512vbmi avx512_vbmi2 avx512_vnni avx512_bitalg avx512_vpopcntdq avx512_bf16 "
+            "gfni vaes vpclmulqdq".split()
+        ),
+        {
+            "ATEN_CPU_CAPABILITY": "avx512",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        },
+    ),
+}
+#: The flags that name instructions: a class is only run where this CPU has all of its.
+_INSTRUCTIONS = ("avx", "fma", "f16c", "amx", "gfni", "vaes", "vpclmulqdq", "sha_ni")
 
 
 @dataclass(frozen=True)
@@ -77,6 +126,7 @@ class Flags:
     compile_default: bool = True  # LLM(path) and the CLI compile their CPU decode steps
     tp_startup_timeout: float = 600.0
     tp_local: bool = False
+    as_cpu: str = ""  # the class this machine runs as (LLMLIB_AS_CPU), "" for itself
 
     @property
     def mkl_tuned(self) -> bool:
@@ -156,6 +206,9 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
     """
     env = os.environ if env is None else env
     vendor, cflags = _cpuinfo() if cpu is None else cpu
+    as_cpu = _choice(env, "LLMLIB_AS_CPU", tuple(CLASSES)) or ""
+    if as_cpu:
+        vendor, cflags = _run_as(as_cpu, env, cflags)
     best = (
         "avx512"
         if {"avx512f", "avx512bw", "avx512vl"} <= cflags
@@ -205,7 +258,30 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         tp_startup_timeout=tp_timeout,
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
         compile_default=_switch(env, "LLMLIB_COMPILE") is not False,
+        as_cpu=as_cpu,
     )
+
+
+def class_env(name: str) -> dict[str, str]:
+    """The variables that run a process as class ``name`` (:data:`CLASSES`)."""
+    return {"LLMLIB_AS_CPU": name, **CLASSES[name].env}
+
+
+def _run_as(name: str, env: Mapping[str, str], own: frozenset[str]) -> tuple[str, frozenset[str]]:
+    """The vendor and flags of class ``name``, once this CPU can execute them and the libraries
+    below llmlib are held to them too (else a ValueError that names what is missing)."""
+    cls = CLASSES[name]
+    needed = {f for f in cls.cpu_flags if f.startswith(_INSTRUCTIONS)}
+    if needed - own:
+        lacks = ", ".join(sorted(needed - own))
+        raise ValueError(f"LLMLIB_AS_CPU={name}: this CPU lacks {lacks}")
+    for var, value in cls.env.items():
+        if env.get(var, "").strip().lower() != value.lower():
+            raise ValueError(
+                f"LLMLIB_AS_CPU={name} needs {var}={value} set before Python starts "
+                f"(it is {env.get(var)!r}); make CPU={name} sets it"
+            )
+    return cls.vendor, cls.cpu_flags
 
 
 _current: list[Flags] = []
@@ -215,7 +291,19 @@ def flags() -> Flags:
     """This process's record (read on the first call)."""
     if not _current:
         _current.append(read())
+        if _current[0].as_cpu and "amx_tile" not in _current[0].cpu_flags:
+            _no_amx_in_inductor()
     return _current[0]
+
+
+def _no_amx_in_inductor() -> None:
+    """Inductor chooses its vector code from the CPU itself: given ``ATEN_CPU_CAPABILITY=avx512``
+    on a CPU with AMX it writes AMX micro-kernels, which a class without AMX (Zen 4) cannot run.
+    Running as such a class, it is shown the list without them."""
+    import torch._inductor.cpu_vec_isa as vec
+
+    kept = [isa for isa in vec.valid_vec_isa_list() if "amx" not in str(isa)]
+    vec.valid_vec_isa_list = lambda: kept
 
 
 @contextlib.contextmanager
