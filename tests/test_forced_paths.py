@@ -178,6 +178,9 @@ def test_every_format_under_a_forced_path(request, files, reference, path) -> No
             if fmt in FLOAT:
                 assert mine == tokens, (fmt, _name(path), "generator")
             assert _engine_tokens(m)[0] == mine, (fmt, _name(path), "engine")
+            if fmt == "float32":  # its row-tiled view shares every matrix, opaque ones too
+                got = _engine_tokens(m, batch_invariant=True)[0]
+                assert got == mine, (fmt, _name(path), "batch-invariant engine")
 
 
 #: the compiled steps, where their code differs from the default's (tests/test_aot.py compiles the
@@ -301,6 +304,7 @@ def test_a_process_run_as_a_class_holds_the_libraries_to_it(name) -> None:
     code = (
         "import torch, llmlib.device as d; from llmlib.kernels.flags import flags; "
         "from torch._inductor.cpu_vec_isa import pick_vec_isa; flags(); "
+        "from llmlib.runtime.compile import inductor_as_the_class; inductor_as_the_class(); "
         "print(torch.backends.cpu.get_cpu_capability(), '|', pick_vec_isa(), '|', d.cpu_name())"
     )
     env = {**os.environ, **class_env(name)}

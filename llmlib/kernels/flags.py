@@ -291,19 +291,7 @@ def flags() -> Flags:
     """This process's record (read on the first call)."""
     if not _current:
         _current.append(read())
-        if _current[0].as_cpu and "amx_tile" not in _current[0].cpu_flags:
-            _no_amx_in_inductor()
     return _current[0]
-
-
-def _no_amx_in_inductor() -> None:
-    """Inductor chooses its vector code from the CPU itself: given ``ATEN_CPU_CAPABILITY=avx512``
-    on a CPU with AMX it writes AMX micro-kernels, which a class without AMX (Zen 4) cannot run.
-    Running as such a class, it is shown the list without them."""
-    import torch._inductor.cpu_vec_isa as vec
-
-    kept = [isa for isa in vec.valid_vec_isa_list() if "amx" not in str(isa)]
-    vec.valid_vec_isa_list = lambda: kept
 
 
 @contextlib.contextmanager

@@ -328,7 +328,10 @@ def row_tiled(model: nn.Module, tile: int) -> nn.Module:
     taken ``tile`` rows at a time (:class:`~llmlib.kernels.weights.RowTiles`): what the
     batch-invariant engine runs, so a token's products never depend on how many rows share its
     step. The model itself is unchanged."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
+    # shared, not copied: parameters, buffers, and tensors a module holds as a plain attribute
+    # (Float32Weight's oneDNN copy: opaque, it has no storage that deepcopy could read)
+    held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
+    tensors = itertools.chain(model.parameters(), model.buffers(), held)
     view = copy.deepcopy(model, memo={id(t): t for t in tensors})
     for name, mod in weight_matrices(view).items():
         w = mod.weight

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmlib.kernels.flags import flags
+
 #: inductor settings for a CPU decode step whose weights are bfloat16 or quantized
 CPU_OPTIONS: dict[str, Any] = {
     "freezing": True,
@@ -135,6 +137,20 @@ def _guard_options(options: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def inductor_as_the_class() -> None:
+    """Where this process runs as a class of CPU without AMX (``LLMLIB_AS_CPU=zen4``), keep
+    inductor from writing AMX micro-kernels: it chooses its vector code from the CPU itself, and
+    given ``ATEN_CPU_CAPABILITY=avx512`` on a CPU with AMX it takes AMX. Called before each CPU
+    compile (not at load: loading a model must not import the compiler)."""
+    f = flags()
+    if not f.as_cpu or "amx_tile" in f.cpu_flags:
+        return
+    import torch._inductor.cpu_vec_isa as vec
+
+    kept = [isa for isa in vec.valid_vec_isa_list() if "amx" not in str(isa)]
+    vec.valid_vec_isa_list = lambda: kept
+
+
 def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
@@ -147,6 +163,7 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
     symbol, so one graph serves every batch (:func:`compile_engine_step`).
     """
     options = compile_options(model)
+    inductor_as_the_class()
     step = own_step(step)
     if options is not None:
         plain_bfloat16(model)
