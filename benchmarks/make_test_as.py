@@ -35,9 +35,11 @@ def run_one(name: str, commit: str) -> dict:
         subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
         cmd = ["make", "test"] + ([] if name == "own" else [f"CPU={name}"])
         t0 = time.perf_counter()
-        run = subprocess.run(cmd, cwd=clone, capture_output=True, text=True)
+        run = subprocess.run(
+            cmd, cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         seconds = time.perf_counter() - t0
-    log = run.stdout + run.stderr
+    log = run.stdout
     summaries = SUMMARY.findall(log)
     return {
         "class": name,
@@ -49,6 +51,10 @@ def run_one(name: str, commit: str) -> dict:
         "unit_tests": summaries[0] if summaries else None,
         "page_checks": summaries[-1] if len(summaries) > 1 else None,
         "book_built": "build succeeded" in log,
+        "failed": re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M),
+        "crashed": re.findall(
+            r"^\[gw\d\] node down: .*$|worker '\w+' crashed while running '.*$", log, re.M
+        ),
         "log_tail": log[-3000:],
     }
 
