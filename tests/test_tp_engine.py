@@ -234,9 +234,24 @@ def test_a_port_already_taken_is_refused(untied: Path) -> None:
         assert time.monotonic() - t0 < 5
 
 
-def test_a_worker_that_dies_at_startup_is_named(untied: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["prompt", "late"])
+def test_a_worker_that_dies_at_startup_is_named(
+    untied: Path, tmp_path: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker that cannot start (here its interpreter raises before llmlib runs): the driver
-    names the rank, says how it ended and shows its last output."""
+    names the rank, says how it ended and shows its last output. ``late``: the thread that
+    reads the worker's output lags behind its exit (as on a loaded machine, where this once
+    showed '(no output)'), and the message must still carry the output."""
+    if reader == "late":
+        from llmlib.parallel import group
+
+        read = group.LocalWorker._read
+
+        def late(self: group.LocalWorker) -> None:
+            time.sleep(0.5)
+            read(self)
+
+        monkeypatch.setattr(group.LocalWorker, "_read", late)
     (tmp_path / "sitecustomize.py").write_text(
         "import os, sys\nif os.environ.get('RANK') == '1':\n"
         "    sys.stderr.write('rank 1 cannot start here\\n')\n"

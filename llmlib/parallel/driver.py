@@ -183,7 +183,8 @@ class Driver:
                 )
             elif r in exited:
                 w = self.workers[r]
-                out = "\n    ".join(w.tail) if w.tail else "(no output)"
+                tail = w.last_output()
+                out = "\n    ".join(tail) if tail else "(no output)"
                 lines.append(
                     f"rank {r} (pid {w.proc.pid}) {exit_reason(exited[r])}; its last output:\n    {out}"
                 )

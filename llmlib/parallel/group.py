@@ -240,6 +240,13 @@ class LocalWorker:
             self.tail.append(line.rstrip())
             print(f"[tp rank {self.rank}] {line}", end="", file=sys.stderr)
 
+    def last_output(self, wait_s: float = 2.0) -> list[str]:
+        """The tail of what the worker printed. Once it has exited, the reader is given a moment
+        to reach the end of the pipe first: the exit is often seen before its last lines are."""
+        if self.proc.poll() is not None:
+            self.reader.join(wait_s)
+        return list(self.tail)
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
