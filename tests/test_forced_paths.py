@@ -297,7 +297,8 @@ def test_a_class_of_cpu_is_run_as_its_own_choices() -> None:
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_a_process_run_as_a_class_holds_the_libraries_to_it(name) -> None:
     """In a process started as the class, PyTorch dispatches to its instructions, inductor writes
-    code for them (no AMX micro-kernels for a class without AMX) and records name the class."""
+    code for them (no AMX micro-kernels for a class without AMX) into caches of the class's own
+    (one shared with this machine's class gave wrong tokens), and records name the class."""
     try:  # the refusal a process started as the class would meet first
         read(env=class_env(name))
     except ValueError as e:
@@ -306,12 +307,16 @@ def test_a_process_run_as_a_class_holds_the_libraries_to_it(name) -> None:
         "import torch, llmlib.device as d; from llmlib.kernels.flags import flags; "
         "from torch._inductor.cpu_vec_isa import pick_vec_isa; flags(); "
         "from llmlib.runtime.compile import inductor_as_the_class; inductor_as_the_class(); "
-        "print(torch.backends.cpu.get_cpu_capability(), '|', pick_vec_isa(), '|', d.cpu_name())"
+        "import os; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+        "print(torch.backends.cpu.get_cpu_capability(), '|', pick_vec_isa(), '|', d.cpu_name(), "
+        "'|', cache_dir())"
     )
     env = {**os.environ, **class_env(name)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    capability, isa, cpu = (s.strip() for s in out.stdout.split("|"))
+    capability, isa, cpu, cache = (s.strip() for s in out.stdout.split("|"))
+    assert cache.endswith(f"-aten-{CLASSES[name].env['ATEN_CPU_CAPABILITY']}")
     assert capability == CLASSES[name].env["ATEN_CPU_CAPABILITY"].upper()
     assert isa.split()[0] == CLASSES[name].env["ATEN_CPU_CAPABILITY"] and "amx" not in isa
     assert cpu.endswith(f"run as {name}")

@@ -36,6 +36,7 @@ captures graphs).
 
 from __future__ import annotations
 
+import os
 import types
 import weakref
 from collections.abc import Callable
@@ -141,7 +142,18 @@ def inductor_as_the_class() -> None:
     """Where this process runs as a class of CPU without AMX (``LLMLIB_AS_CPU=zen4``), keep
     inductor from writing AMX micro-kernels: it chooses its vector code from the CPU itself, and
     given ``ATEN_CPU_CAPABILITY=avx512`` on a CPU with AMX it takes AMX. Called before each CPU
-    compile (not at load: loading a model must not import the compiler)."""
+    compile (not at load: loading a model must not import the compiler).
+
+    Its on-disk caches are kept apart by ``ATEN_CPU_CAPABILITY`` too: their keys do not include
+    it, and a graph cached under AVX-512 and read back under ``avx2`` gave wrong tokens."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        # importing inductor may already have set the variable to its default: that one moves
+        default = os.path.abspath(default_cache_dir())
+        if os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)) == default:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-aten-{capability}"
     f = flags()
     if not f.as_cpu or "amx_tile" in f.cpu_flags:
         return
