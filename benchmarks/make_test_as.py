@@ -78,12 +78,13 @@ def main() -> None:
         r = runs[-1]
         print(
             f"  {'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.0f} s: "
-            f"{r['unit_tests']}; pages {r['page_checks']}",
+            f"{r['unit_tests']}; pages {r['page_checks']}"
+            + "".join(f"\n    {line}" for line in r["failed"] + r["crashed"]),
             flush=True,
         )
-    result = {"machine": machine_info("cpu"), "commit": commit, "runs": runs}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        result = {"machine": machine_info("cpu"), "commit": commit, "runs": runs}
+        if args.out:  # after each class, so a long run keeps what it has if stopped
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     sys.exit(0 if all(r["passed"] for r in runs) else 1)
 
 

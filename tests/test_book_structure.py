@@ -104,7 +104,7 @@ def test_install_cell_on_binder_installs_the_checkout(
     (tmp_path / "chapters").mkdir()
     calls, moved = _run_install_cell(monkeypatch, tmp_path / "chapters", installed=False)
     assert len(calls) == 1 and calls[0][:4] == [sys.executable, "-m", "pip", "install"]
-    assert f"{tmp_path}[book]" in calls[0] and "clone" not in " ".join(calls[0])
+    assert f"{tmp_path}[book]" in calls[0]  # the one call is pip's: nothing was cloned
     assert moved == [str(tmp_path / "chapters")]
 
 
