@@ -139,28 +139,42 @@ def _guard_options(options: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def inductor_as_the_class() -> None:
-    """Where this process runs as a class of CPU without AMX (``LLMLIB_AS_CPU=zen4``), keep
-    inductor from writing AMX micro-kernels: it chooses its vector code from the CPU itself, and
-    given ``ATEN_CPU_CAPABILITY=avx512`` on a CPU with AMX it takes AMX. Called before each CPU
-    compile (not at load: loading a model must not import the compiler).
+    """What inductor needs before each CPU compile (not at load: loading a model must not import
+    the compiler).
 
-    Its on-disk caches are kept apart by ``ATEN_CPU_CAPABILITY`` too: their keys do not include
-    it, and a graph cached under AVX-512 and read back under ``avx2`` gave wrong tokens."""
-    capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if capability:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        # importing inductor may already have set the variable to its default: that one moves
-        default = os.path.abspath(default_cache_dir())
-        if os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)) == default:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-aten-{capability}"
+    * Where this process runs as a class of CPU without AMX (``LLMLIB_AS_CPU=zen4``), keep it
+      from writing AMX micro-kernels: it chooses its vector code from the CPU itself, and given
+      ``ATEN_CPU_CAPABILITY=avx512`` on a CPU with AMX it takes AMX.
+    * Keep its on-disk caches apart by the instructions it writes code for
+      (:func:`inductor_cache_dir`).
+    """
     f = flags()
-    if not f.as_cpu or "amx_tile" in f.cpu_flags:
-        return
-    import torch._inductor.cpu_vec_isa as vec
+    if f.as_cpu and "amx_tile" not in f.cpu_flags:
+        import torch._inductor.cpu_vec_isa as vec
 
-    kept = [isa for isa in vec.valid_vec_isa_list() if "amx" not in str(isa)]
-    vec.valid_vec_isa_list = lambda: kept
+        kept = [isa for isa in vec.valid_vec_isa_list() if "amx" not in str(isa)]
+        vec.valid_vec_isa_list = lambda: kept
+    inductor_cache_dir()
+
+
+def inductor_cache_dir() -> str:
+    """Point inductor's caches at a folder named by the vector instructions it writes code for in
+    this process (``avx2``, ``avx512-avx512_vnni-amx_tile``), inside the folder it would use
+    (``TORCHINDUCTOR_CACHE_DIR`` or its default), and return it.
+
+    The keys of its caches leave those instructions out. A graph cached as AVX-512 code, which
+    steps 16 floats at a time, was compiled again for AVX2 (8 floats to a vector) and gave wrong
+    tokens. That happens to a process run as another class (``ATEN_CPU_CAPABILITY``), or to a
+    cache folder that machines with different CPUs share."""
+    import torch._inductor.cpu_vec_isa as vec
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    tag = "-".join(str(vec.pick_vec_isa()).split()) or "novec"
+    root = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    if os.path.basename(root) != tag:
+        root = os.path.join(root, tag)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
+    return root
 
 
 def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
