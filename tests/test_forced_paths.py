@@ -306,8 +306,8 @@ def test_a_process_run_as_a_class_holds_the_libraries_to_it(name) -> None:
     code = (
         "import torch, llmlib.device as d; from llmlib.kernels.flags import flags; "
         "from torch._inductor.cpu_vec_isa import pick_vec_isa; flags(); "
-        "from llmlib.runtime.compile import inductor_as_the_class; inductor_as_the_class(); "
-        "import os; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+        "from llmlib.runtime.compile import prepare_inductor; prepare_inductor(); "
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
         "print(torch.backends.cpu.get_cpu_capability(), '|', pick_vec_isa(), '|', d.cpu_name(), "
         "'|', cache_dir())"
     )

@@ -266,9 +266,9 @@ def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str)
     (written beside and renamed, so a crash never leaves half a package to be found): code only,
     or, for a frozen step (:func:`freezes`), with the in-memory step's inductor options and the
     constants it makes of the weights."""
-    from llmlib.runtime.compile import compile_options, inductor_as_the_class
+    from llmlib.runtime.compile import compile_options, prepare_inductor
 
-    inductor_as_the_class()
+    prepare_inductor()
     if freezes(model):
         configs = {k: v for k, v in compile_options(model).items() if k != "cpp_wrapper"}
     else:

@@ -138,7 +138,7 @@ def _guard_options(options: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def inductor_as_the_class() -> None:
+def prepare_inductor() -> None:
     """What inductor needs before each CPU compile (not at load: loading a model must not import
     the compiler).
 
@@ -189,7 +189,7 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
     symbol, so one graph serves every batch (:func:`compile_engine_step`).
     """
     options = compile_options(model)
-    inductor_as_the_class()
+    prepare_inductor()
     step = own_step(step)
     if options is not None:
         plain_bfloat16(model)
