@@ -196,7 +196,7 @@ def test_8_bit_group_codes_pack_for_the_kernel() -> None:
     for group in (32, 16):
         codes = _codes8(128, 64, group)
         w = vnni.pack(codes, torch.bfloat16)
-        assert isinstance(w, vnni.VnniInt8GroupWeight) and w.label == f"int8 g{group} vnni"
+        assert isinstance(w, vnni.VnniInt8GroupWeight) and w.label.startswith(f"int8 g{group} ")
         fmt = Format(torch.device("cpu"), torch.bfloat16, "gguf")
         assert isinstance(pack_codes(codes, fmt, rows=True), vnni.VnniInt8GroupWeight)
     # a byte a weight, and a Q8_0 block's constants in float16: little more than half the bytes
@@ -210,6 +210,23 @@ def test_8_bit_group_codes_pack_for_the_kernel() -> None:
             _codes8(128, 64, 32), Format(torch.device("cpu"), torch.bfloat16, "gguf")
         )
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", ["avx512vnni", "avx2"])
+def test_labels_name_the_build_of_the_kernels_that_runs(build: str, monkeypatch) -> None:
+    """The timing line must not say VNNI on a CPU that reads the tiles with AVX2 (one process
+    loads one build, so the build that runs is stood in for once the weights are made)."""
+    w8 = vnni.VnniInt8Weight(quantize_int8(_w(64, 64)), torch.float32)
+    w4 = vnni.VnniInt4Weight(quantize_int4(_w(64, 64), 32), torch.float32)
+    w8g = vnni.VnniInt8GroupWeight(_codes8(64, 64, 16), torch.float32)
+    monkeypatch.setattr(vnni, "isa", lambda: build)
+    name = {"avx512vnni": "vnni", "avx2": "avx2"}[build]
+    assert [w8.label, w4.label, w8g.label] == [
+        f"int8 {name}",
+        f"int4 g32 {name}",
+        f"int8 g16 {name}",
+    ]
 
 
 @needs_kernels

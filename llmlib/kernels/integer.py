@@ -59,6 +59,11 @@ def cpu_has_vnni() -> bool:
     return f.isa == "avx512" and f.has_vnni
 
 
+def _build_name() -> str:
+    """The short name of the kernels' build that runs here, for labels: ``vnni`` or ``avx2``."""
+    return "vnni" if isa() == "avx512vnni" else "avx2"
+
+
 def isa() -> str | None:
     """Which build of the kernels runs here (:attr:`llmlib.kernels.flags.Flags.integer`):
     ``"avx512vnni"``, ``"avx2"`` (two instructions per byte product, ``vpmaddubsw`` +
@@ -191,6 +196,12 @@ class _VnniWeight(PackedWeight):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def label(self) -> str:
+        """The layout and the build of the kernels that reads it: ``int8 vnni``, or ``int8 avx2``
+        on a CPU without VNNI (the same tiles, read two instructions per byte product)."""
+        return self.kind.replace("vnni", _build_name())
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):  # the kernels take these two
             return super().linear(x.float(), bias).to(x.dtype)
@@ -235,7 +246,7 @@ class VnniInt4Weight(_VnniWeight):
 
     @property
     def label(self) -> str:
-        return f"int4 g{self.group_size} vnni"
+        return f"int4 g{self.group_size} {_build_name()}"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmlib_vnni.int4_linear(x, self.w, self.d, self.m, self.group_size)
@@ -326,7 +337,7 @@ class VnniInt8GroupWeight(_VnniWeight):
 
     @property
     def label(self) -> str:
-        return f"int8 g{self.group_size} vnni"
+        return f"int8 g{self.group_size} {_build_name()}"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmlib_vnni.int8g_linear(

@@ -287,7 +287,7 @@ def _fuse_norms(model: nn.Module, fmt: Format) -> None:
 
 def format_name(model: nn.Module, fmt: Format | None = None) -> str:
     """What the weights are held in: ``float32``, ``gguf (int4 g32 vnni x210, int8 vnni x1) /
-    bfloat16``."""
+    bfloat16`` (``avx2`` in place of ``vnni`` where that build of the integer kernels runs)."""
     fmt = fmt or Format.of(model)
     dtype = str(fmt.dtype).removeprefix("torch.")
     if fmt.quantization is None:
