@@ -37,7 +37,7 @@ def fake_llama_cpp(monkeypatch):
 
     class Llama:
         def __init__(self, model_path: str, n_batch: int, **kw) -> None:
-            assert n_batch == 1  # this machine's build crashed on batched prompts
+            assert n_batch == (1 if "AMX_INT8 = 1" in SYSTEM[0] else 512)
             self.step = STEP_S[_kind_of(model_path)]
             self.logits = (ctypes.c_float * 7)(*[0, 0, 1, 0, 0, 0, 0])
             self._ctx = types.SimpleNamespace(get_logits=lambda: self.logits)
@@ -54,12 +54,18 @@ def fake_llama_cpp(monkeypatch):
     mod.llama_model_quantize_default_params = default_params
     mod.llama_model_quantize = quantize
     mod.Llama = Llama
+    mod.llama_print_system_info = lambda: SYSTEM[0].encode()
+    SYSTEM[0] = AMX
     monkeypatch.setitem(sys.modules, "llama_cpp", mod)
     monkeypatch.setattr(_llama_cpp, "perf_counter", lambda: _CLOCK[0])
     return calls
 
 
 _CLOCK = [0.0]
+#: the stand-in build's system line (llama.cpp prints one per instruction set it was built for)
+AMX = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+AVX2 = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 0 | OPENMP = 1 | "
+SYSTEM = [AMX]
 PREFILL_S_PER_TOKEN = 0.003
 
 
@@ -105,6 +111,7 @@ def test_each_format_is_compared_with_llama_cpp_at_its_own_bits(
     n = res["prompt_tokens"]
     assert rows["llama.cpp F32"]["prefill_s"] == pytest.approx(n * PREFILL_S_PER_TOKEN, abs=1e-4)
     assert rows["llama.cpp F32"]["prefill_n_batch"] == 1
+    assert res["llama_cpp_build"] == "SSE3 AVX2 AVX512 AMX_INT8 OPENMP"
     assert rows["float32"]["prefill_s"] > 0 and rows["int8"]["prefill_s"] > 0
     f32, i8 = rows["float32"], rows["int8"]
     assert f32["vs_float32"] == 1.0
@@ -113,3 +120,12 @@ def test_each_format_is_compared_with_llama_cpp_at_its_own_bits(
     assert 3.5 < f32["weight_bytes_per_token"] / i8["weight_bytes_per_token"] < 4.1
     assert f32["compile_resident_bytes"] is None and i8["compile_resident_bytes"] is None
     assert 0 < i8["same_tokens_as_float32"] <= 1 and f32["same_tokens_as_float32"] == 1
+
+
+def test_prompts_go_in_one_batch_unless_the_build_has_amx(fake_llama_cpp, monkeypatch) -> None:
+    """Builds with AMX kernels crashed on batched prompts, so they read one token per call; any
+    other build reads the prompt as llama.cpp does by default, so its prefill is a fair figure."""
+    assert _llama_cpp.n_batch() == 1
+    SYSTEM[0] = AVX2  # the fixture puts the AMX build back for the next test
+    assert _llama_cpp.n_batch() == 512
+    assert _llama_cpp.build() == "SSE3 AVX AVX2 F16C FMA OPENMP"  # not AVX512 = 0

@@ -7,9 +7,10 @@ file's weights widened or re-rounded. llama.cpp's own quantizer (``llama_model_q
 the one type (``pure``), cached beside the model. Comparing llmlib int8 with llama.cpp Q4_1, or
 bfloat16 with it, would compare different byte counts.
 
-Prompts are evaluated with ``n_batch`` tokens per call (:data:`N_BATCH`): 1, one token at a time,
-since builds on Intel CPUs with AMX crashed on prompts processed with ``n_batch > 1``. So
-llama.cpp's prefill here is a floor on its speed, not its best: its decode is unaffected.
+Prompts are evaluated with ``n_batch`` tokens per call (:func:`n_batch`): llama.cpp's default of
+512 where its build has no AMX kernels, and 1, one token at a time, where it has them, since such
+builds crashed on prompts processed with ``n_batch > 1``. With 1, llama.cpp's prefill is a floor
+on its speed, not its best; its decode is the same either way.
 """
 
 from __future__ import annotations
@@ -28,8 +29,28 @@ PEER_TYPES: dict[str, str | None] = {
 }
 
 
-#: tokens per llama.cpp evaluation call while reading the prompt (see the module's docstring)
-N_BATCH = 1
+#: tokens per llama.cpp evaluation call while reading the prompt: with AMX kernels, and without
+N_BATCH_AMX, N_BATCH = 1, 512
+
+
+def build() -> str:
+    """What this build of llama.cpp was compiled with (``AVX2 F16C FMA ... OPENMP``: its
+    instruction sets and features), from its own system line: a record must say which llama.cpp
+    it ran against."""
+    import re
+
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return " ".join(dict.fromkeys(re.findall(r"(\w+) = 1", info)))
+
+
+def n_batch() -> int:
+    """Tokens per evaluation call for this build of llama.cpp (see the module's docstring)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return N_BATCH_AMX if "AMX_INT8 = 1" in info else N_BATCH
 
 
 def available() -> bool:
@@ -87,7 +108,7 @@ def decoder(
     llm = Llama(
         model_path=str(path),
         n_ctx=len(prompt_ids) + new_tokens + 8,
-        n_batch=N_BATCH,
+        n_batch=n_batch(),
         n_threads=threads,
         n_threads_batch=threads,
         verbose=False,

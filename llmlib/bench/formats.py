@@ -198,7 +198,7 @@ def run(
             "name": name,
             "tokens_per_s": round(1 / step, 2),
             "prefill_s": round(statistics.median(prefills[name]), 4),
-            "prefill_n_batch": _llama_cpp.N_BATCH,
+            "prefill_n_batch": _llama_cpp.n_batch(),
         }
     base = rows.get("float32", {}).get("tokens_per_s")
     for r in rows.values():
@@ -228,6 +228,7 @@ def run(
         "runs": runs,
         "read_bandwidth_bytes_per_s": bandwidth,
         "formats": list(rows.values()),
+        "llama_cpp_build": _llama_cpp.build() if peers else None,
     }
 
 

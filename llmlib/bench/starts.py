@@ -89,7 +89,7 @@ def run(
         cmd = [
             sys.executable,
             "-c",
-            _LLAMA_CPP.format(t=threads, n_batch=_llama_cpp.N_BATCH),
+            _LLAMA_CPP.format(t=threads, n_batch=_llama_cpp.n_batch()),
             str(path),
             PROMPT,
         ]
