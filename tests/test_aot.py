@@ -134,10 +134,15 @@ def _batch_invariant_groups_through_the_same_package(model_file, tmp_path, promp
         assert after.token_ids == fresh.token_ids and lp[0] == lp[1]
 
 
-def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path) -> None:
+def test_a_bfloat16_engine_step_is_frozen_into_its_package(
+    model_file, tmp_path, monkeypatch, capfd
+) -> None:
     """All-bfloat16 weights on the CPU: the package is frozen (inductor re-stores the matrices and
     picks its GEMMs, as the in-memory step does), holds those constants itself, and the next
-    engine loads it; a quantized or float32 model's package stays code only."""
+    engine loads it; a quantized or float32 model's package stays code only. Inductor times its
+    GEMMs quietly: none of its autotune tables reach standard error (a cache of inductor's own
+    for this test, so the timings run here)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     prompts = [[3, 5, 7, 9][: 1 + i % 4] * (1 + i) for i in range(6)]
     params = llmlib.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(num_blocks=64, block_size=4, max_num_seqs=8)
@@ -150,6 +155,9 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(model_file, tmp_path)
         first = llmlib.LLM(model, Tok(), compile=True, **kw)
         assert first.runner.decode_path == "compiled (now, cached)"
         assert len(list((tmp_path / "compiled").glob("engine-bs4-frozen-*.pt2"))) == 1
+        assert any((tmp_path / "inductor").iterdir())  # the GEMMs were timed in this test
+        err = capfd.readouterr().err
+        assert "AUTOTUNE" not in err and "Autotune Choices" not in err
         got = [o.token_ids for o in first.generate(prompts, params, use_tqdm=False)]
         same = sum(a == b for o, g in zip(eager, got) for a, b in zip(o.token_ids, g))
         assert same >= 0.9 * sum(len(g) for g in got)  # bfloat16: another GEMM may round apart

@@ -53,6 +53,10 @@ CPU_OPTIONS: dict[str, Any] = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
     "cpp_wrapper": True,
+    # quiet: inductor writes every shape's autotune timings to standard error, dozens of lines
+    # under the one progress line a first start prints
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
 }
 
 
