@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,14 @@ def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str)
         log(f"llmlib: compiling {what} for this machine, once ({expected(model, what)})...")
     import torch.fx.experimental._config as fx_config
 
-    with torch.inference_mode(False), torch.no_grad(), fx_config.patch(use_duck_shape=False):
+    with (
+        torch.inference_mode(False),
+        torch.no_grad(),
+        fx_config.patch(use_duck_shape=False),
+        warnings.catch_warnings(),
+    ):
+        for message in TORCH_NOTICES:  # PyTorch's notes to itself, not the user's to act on
+            warnings.filterwarnings("ignore", message=message)
         ep = torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
@@ -289,6 +297,11 @@ def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str)
         )
     tmp.replace(path)
     _remember_time(model, what, time.perf_counter() - t0)
+
+
+#: warnings PyTorch raises from inside an export and its compile, about its own code: a pytree
+#: spec checked the deprecated way, and float16 group constants fused beside bfloat16 ones
+TORCH_NOTICES = (r".*isinstance\(treespec, LeafSpec\)", "bf16 and fp16 are mixed")
 
 
 def _times() -> Path:
