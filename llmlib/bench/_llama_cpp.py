@@ -15,6 +15,7 @@ on its speed, not its best; its decode is the same either way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
@@ -37,8 +38,6 @@ def build() -> str:
     """What this build of llama.cpp was compiled with (``AVX2 F16C FMA ... OPENMP``: its
     instruction sets and features), from its own system line: a record must say which llama.cpp
     it ran against."""
-    import re
-
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode()
@@ -47,10 +46,7 @@ def build() -> str:
 
 def n_batch() -> int:
     """Tokens per evaluation call for this build of llama.cpp (see the module's docstring)."""
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info().decode()
-    return N_BATCH_AMX if "AMX_INT8 = 1" in info else N_BATCH
+    return N_BATCH_AMX if "AMX_INT8" in build().split() else N_BATCH
 
 
 def available() -> bool:
