@@ -171,6 +171,16 @@ def test_chapter_ends_with_exercises_and_checked_folded_solutions(nb: Path) -> N
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_its_own_id(nb: Path) -> None:
+    """nbformat 4.5 gives each cell an id (the build warns where one is missing, and nbformat
+    means to refuse such notebooks): a cell added by hand must get one too."""
+    ids = [c.get("id") for c in cells(nb)]
+    missing = [i for i, c in enumerate(ids) if not c]
+    assert not missing, f"{nb.name}: cells without an id: {missing}"
+    assert len(set(ids)) == len(ids), f"{nb.name}: cell ids repeat"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_code_fits_the_page(nb: Path) -> None:
     wide = [
         (i, line)
