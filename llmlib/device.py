@@ -146,10 +146,14 @@ def native_bf16() -> bool:
 #: the recorded runs in results/. For batches bfloat16 came first in the latest record: oneDNN
 #: multiplies many rows with AMX, where the integer formats' VNNI products (llmlib.kernels.integer) work
 #: through a row's dot products vector by vector. (Integer formats in a batch need AVX-512 VNNI:
-#: PyTorch's weight-only kernels are made for one row.)
+#: PyTorch's weight-only kernels are made for one row.) ``"decode_float32"`` is one request on a
+#: CPU without native bfloat16 whose integer kernels run (AVX2 without AVX-512, say): the same
+#: weights with float32 activations, which decoded several times faster than float32 weights when
+#: run as such a CPU (``results/cpu/formats_as_avx2.json``); its batches stay in float32.
 AUTO_CPU_FORMATS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "decode": (("bfloat16", "gguf"), ("bfloat16", "int8")),
     "batched": (("bfloat16", None),),
+    "decode_float32": (("float32", "gguf"), ("float32", "int8")),
 }
 
 
@@ -162,13 +166,20 @@ def choose_format(
 ) -> tuple[Placement, str | None]:
     """The placement and quantization a user-facing entry point runs: what was asked, or, when
     neither was, the fastest accurate format for this machine (:data:`AUTO_CPU_FORMATS` on a CPU
-    with native bfloat16, for one request or for ``batched`` ones; float32 on other CPUs;
+    with native bfloat16, for one request or for ``batched`` ones; on other CPUs, one request
+    in float32 activations over integer codes where the integer kernels run, else float32;
     bfloat16 on CUDA). ``gguf_blocks``: whether the file holds GGUF blocks that ``"gguf"`` can
     repack."""
+    from llmlib.kernels import integer
+
     dev = pick_device(device)
-    if dtype is None and quantization is None and dev.type == "cpu" and native_bf16():
+    if dtype is None and quantization is None and dev.type == "cpu":
+        if native_bf16():
+            table, ok = AUTO_CPU_FORMATS["batched" if batched else "decode"], True
+        else:  # without the kernels, PyTorch's weight-only products are slower than float32
+            table, ok = AUTO_CPU_FORMATS["decode_float32"], not batched and integer.available()
         vnni = flags().integer == "vnni"
-        for d, q in AUTO_CPU_FORMATS["batched" if batched else "decode"]:
+        for d, q in table if ok else ():
             if (q != "gguf" or gguf_blocks) and (q is None or not batched or vnni):
                 return Placement(dev, torch_dtype(d)), q
     return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization

@@ -28,6 +28,8 @@ from llmlib.model import random_model
 from llmlib.quantize import GroupCodes, quantize_int4, quantize_int8
 from llmlib.shapes import kv_cache_bytes
 
+CPU = torch.device("cpu")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -287,11 +289,13 @@ def _fastest_within_one_percent(formats: list[dict], key: str) -> tuple[str, str
     [
         ("decode", "formats.json", "tokens_per_s"),
         ("batched", "batching_formats.json", "continuous_tokens_per_s"),
+        ("decode_float32", "cpu/formats_as_avx2.json", "tokens_per_s"),
     ],
 )
 def test_auto_format_order_follows_the_recorded_measurements(workload, record, key) -> None:
     """``AUTO_CPU_FORMATS`` puts first the recorded fastest format within 1% of float32's
-    perplexity, for one request (decode) and for the batching engine."""
+    perplexity, for one request (decode) and for the batching engine, and for one request on a
+    CPU without native bfloat16 (run as an AVX2-only EPYC)."""
     from llmlib.device import AUTO_CPU_FORMATS
 
     rec = ROOT / "results" / record
@@ -299,6 +303,27 @@ def test_auto_format_order_follows_the_recorded_measurements(workload, record, k
         pytest.skip(f"no recorded {record}")
     formats = json.loads(rec.read_text())["formats"]
     assert _fastest_within_one_percent(formats, key) == AUTO_CPU_FORMATS[workload][0]
+
+
+def test_one_request_without_native_bfloat16_reads_integer_codes(monkeypatch) -> None:
+    """On a CPU without native bfloat16 (an AVX2-only EPYC), one request runs the file's blocks,
+    or int8 for a file without them, with float32 activations, where the integer kernels run;
+    float32 where they cannot (no compiler); batches and asked-for formats stay as they were."""
+    from llmlib import device
+    from llmlib.kernels.flags import CLASSES
+
+    f32 = torch.float32
+    monkeypatch.setattr(vnni, "available", lambda: True)  # one process loads one build
+    avx2 = dict(cpu_flags=CLASSES["avx2"].cpu_flags, isa="avx2", integer="avx2", fused_norm=False)
+    with forced(**avx2):
+        assert not device.native_bf16()
+        choose = device.choose_format
+        assert choose("cpu", None, None, gguf_blocks=True) == (device.Placement(CPU, f32), "gguf")
+        assert choose("cpu", None, None) == (device.Placement(CPU, f32), "int8")
+        assert choose("cpu", None, None, gguf_blocks=True, batched=True)[1] is None
+        assert choose("cpu", "float32", None, gguf_blocks=True)[1] is None  # what was asked
+        monkeypatch.setattr(vnni, "available", lambda: False)
+        assert choose("cpu", None, None, gguf_blocks=True) == (device.Placement(CPU, f32), None)
 
 
 def test_dequantize_helpers_agree() -> None:

@@ -24,8 +24,9 @@ def add_format_args(ap: argparse.ArgumentParser, auto: bool = True) -> None:
     """``--dtype`` and ``--quantization`` (and ``--group-size`` for int4)."""
     default = (
         "default: the fastest accurate format here (llmlib.device.choose_format: on a CPU with "
-        "native bfloat16, bfloat16 activations with the file's own blocks or int8; float32 on "
-        "other CPUs; bfloat16 on CUDA)"
+        "native bfloat16, bfloat16 activations with the file's own blocks or int8; on other "
+        "CPUs, one request in float32 activations with them where the integer kernels run, "
+        "else float32; bfloat16 on CUDA)"
         if auto
         else "default: bfloat16 on CUDA, float32 on CPU"
     )
