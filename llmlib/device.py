@@ -136,6 +136,13 @@ def native_bf16() -> bool:
     return flags().native_bf16
 
 
+def integer_kernels() -> bool:
+    """Whether llmlib's integer kernels multiply int8 and 4-bit codes here (AVX-512 VNNI or AVX2;
+    ``LLMLIB_INTEGER=0`` turns them off). They are compiled on first use: where that fails (no
+    C++ compiler), the loader warns and PyTorch's weight-only kernels serve instead."""
+    return flags().integer != "off"
+
+
 #: What ``llmlib generate/chat`` (one request, batch-1 decode) and ``LLM()``/``llmlib serve``
 #: (batched) run when neither a dtype nor a quantization is asked for, on a CPU with native
 #: bfloat16: the first that applies to the file, in this order. Fastest first among the formats
@@ -170,14 +177,12 @@ def choose_format(
     in float32 activations over integer codes where the integer kernels run, else float32;
     bfloat16 on CUDA). ``gguf_blocks``: whether the file holds GGUF blocks that ``"gguf"`` can
     repack."""
-    from llmlib.kernels import integer
-
     dev = pick_device(device)
     if dtype is None and quantization is None and dev.type == "cpu":
         if native_bf16():
             table, ok = AUTO_CPU_FORMATS["batched" if batched else "decode"], True
         else:  # without the kernels, PyTorch's weight-only products are slower than float32
-            table, ok = AUTO_CPU_FORMATS["decode_float32"], not batched and integer.available()
+            table, ok = AUTO_CPU_FORMATS["decode_float32"], not batched and integer_kernels()
         vnni = flags().integer == "vnni"
         for d, q in table if ok else ():
             if (q != "gguf" or gguf_blocks) and (q is None or not batched or vnni):

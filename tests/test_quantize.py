@@ -305,15 +305,14 @@ def test_auto_format_order_follows_the_recorded_measurements(workload, record, k
     assert _fastest_within_one_percent(formats, key) == AUTO_CPU_FORMATS[workload][0]
 
 
-def test_one_request_without_native_bfloat16_reads_integer_codes(monkeypatch) -> None:
+def test_one_request_without_native_bfloat16_reads_integer_codes() -> None:
     """On a CPU without native bfloat16 (an AVX2-only EPYC), one request runs the file's blocks,
     or int8 for a file without them, with float32 activations, where the integer kernels run;
-    float32 where they cannot (no compiler); batches and asked-for formats stay as they were."""
+    float32 where they are off; batches and asked-for formats stay as they were."""
     from llmlib import device
     from llmlib.kernels.flags import CLASSES
 
     f32 = torch.float32
-    monkeypatch.setattr(vnni, "available", lambda: True)  # one process loads one build
     avx2 = dict(cpu_flags=CLASSES["avx2"].cpu_flags, isa="avx2", integer="avx2", fused_norm=False)
     with forced(**avx2):
         assert not device.native_bf16()
@@ -322,7 +321,7 @@ def test_one_request_without_native_bfloat16_reads_integer_codes(monkeypatch) ->
         assert choose("cpu", None, None) == (device.Placement(CPU, f32), "int8")
         assert choose("cpu", None, None, gguf_blocks=True, batched=True)[1] is None
         assert choose("cpu", "float32", None, gguf_blocks=True)[1] is None  # what was asked
-        monkeypatch.setattr(vnni, "available", lambda: False)
+    with forced(**avx2 | dict(integer="off")):  # LLMLIB_INTEGER=0
         assert choose("cpu", None, None, gguf_blocks=True) == (device.Placement(CPU, f32), None)
 
 
