@@ -179,12 +179,13 @@ def choose_format(
     repack."""
     dev = pick_device(device)
     if dtype is None and quantization is None and dev.type == "cpu":
+        table: tuple[tuple[str, str | None], ...] = ()
         if native_bf16():
-            table, ok = AUTO_CPU_FORMATS["batched" if batched else "decode"], True
-        else:  # without the kernels, PyTorch's weight-only products are slower than float32
-            table, ok = AUTO_CPU_FORMATS["decode_float32"], not batched and integer_kernels()
+            table = AUTO_CPU_FORMATS["batched" if batched else "decode"]
+        elif not batched and integer_kernels():  # else PyTorch's products: float32 is faster
+            table = AUTO_CPU_FORMATS["decode_float32"]
         vnni = flags().integer == "vnni"
-        for d, q in table if ok else ():
+        for d, q in table:
             if (q != "gguf" or gguf_blocks) and (q is None or not batched or vnni):
                 return Placement(dev, torch_dtype(d)), q
     return Placement(dev, pick_dtype(dev, dtype, quantization)), quantization

@@ -35,12 +35,13 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,11 @@ class ServerProcess:
         dtype: str | None = None,
         max_queue: int = 512,
         extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ):
         self.port = free_port()
+        # variables set for the server over this process's own (a cache folder, a CPU class)
+        self.env = {**os.environ, **env} if env else None
         cmd = [
             sys.executable,
             "-m",
@@ -95,7 +99,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
         )
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
