@@ -185,14 +185,15 @@ def test_every_format_under_a_forced_path(request, files, reference, path) -> No
 
 #: the compiled steps, where their code differs from the default's (tests/test_aot.py compiles the
 #: default float32 steps): another C++ build (the AVX2 machine's), oneDNN's float32 copy (the
-#: AVX2 machine's default, and its compiled float32 garbage), PyTorch's integer kernels
+#: AVX2 machine's default, and its compiled float32 garbage), PyTorch's integer kernels, the
+#: AVX2 machine's bfloat16 matrices (widened for prompts, plain in the graph)
 COMPILED = [
     (fmt, p)
     for p in PATHS
     for fmt in ("float32", "gguf", "bfloat16")
     if (fmt == "float32" and (p.get("isa") == "avx2" or "onednn_float32" in p))
     or (fmt == "gguf" and (not p or p.get("isa") == "avx2" or p == {"integer": "off"}))
-    or (fmt == "bfloat16" and (not p or "onednn_bfloat16" in p))
+    or (fmt == "bfloat16" and (not p or "onednn_bfloat16" in p or "bfloat16_widen" in p))
 ]
 
 
@@ -238,6 +239,7 @@ def test_the_paths_cover_every_switch_this_machine_has() -> None:
     f = flags()
     flipped = {k for p in PATHS for k in p}
     assert {"integer", "paged_kernel", "onednn_float32", "onednn_bfloat16"} <= flipped
+    assert "bfloat16_widen" in flipped
     if f.isa != "none":
         assert {"isa", "matvec"} <= flipped
     if f.isa == "avx512":

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from llmlib.config import ModelConfig
-from llmlib.kernels import matvec
+from llmlib.kernels import matvec, weights
 from llmlib.kernels.flags import flags, forced
 from llmlib.kernels.prepare import blocked_copies, prepare, weight_matrices
-from llmlib.kernels.weights import Float32Weight
+from llmlib.kernels.weights import Bfloat16Weight, Float32Weight
 from llmlib.model import random_model
 
 onednn = pytest.mark.skipif(
@@ -71,6 +71,39 @@ def test_the_default_follows_the_cpu_vendor():
 
 
 def test_other_dtypes_stay_plain_where_onednn_cannot():
-    with forced(onednn_bfloat16=False):
+    with forced(onednn_bfloat16=False, bfloat16_widen=False):
         model = prepare(random_model(CFG, "cpu", torch.bfloat16))
     assert all(isinstance(m.weight, torch.Tensor) for m in weight_matrices(model).values())
+
+
+@pytest.mark.parametrize("rows", [1, weights.WIDEN_ROWS - 1, weights.WIDEN_ROWS, 40])
+def test_bfloat16_widened_for_several_rows(monkeypatch, rows):
+    """A CPU without bfloat16 arithmetic: up to a few rows, PyTorch's bfloat16 product itself;
+    from WIDEN_ROWS rows on, the matrix widened to float32 a slice at a time (here 10 rows of it
+    per slice, the last one short), the same sums rounded to bfloat16 once."""
+    monkeypatch.setattr(weights, "WIDEN_SLICE", 10 * 64)
+    w, b = _w().bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    stored = Bfloat16Weight(w)
+    got = stored.linear(x, b)
+    if rows < weights.WIDEN_ROWS:
+        assert torch.equal(got, F.linear(x, w, b))
+    else:
+        assert torch.equal(got, stored._mm(x) + b)
+    exact = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(stored._mm(x).float() + b.float(), exact, atol=0.05, rtol=0.02)
+    assert torch.equal(stored.rows(torch.tensor([3, 0])), w[[3, 0]])
+
+
+def test_a_bfloat16_model_widens_where_the_flags_say_and_saves_the_plain_weights():
+    plain = random_model(CFG, "cpu", torch.bfloat16)
+    state = plain.state_dict()
+    ids = torch.randint(0, 64, (2, 9))
+    with forced(onednn_bfloat16=False, bfloat16_widen=True):
+        model = prepare(random_model(CFG, "cpu", torch.bfloat16))
+    mats = [m.weight for m in weight_matrices(model).values()]
+    assert mats and all(isinstance(w, Bfloat16Weight) for w in mats)
+    got, ref = model(ids).float(), plain(ids).float()
+    assert (got - ref).abs().max() < 0.05 * ref.std(), (got - ref).abs().max()
+    out = model.state_dict()
+    assert sorted(out) == sorted(state) and all(torch.equal(out[k], state[k]) for k in state)

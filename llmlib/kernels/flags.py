@@ -22,6 +22,9 @@ variable                    values                 what it decides (default)
                                                    products of several rows (not on Intel)
 ``LLMLIB_ONEDNN_BFLOAT16``  ``0``, ``1``           bfloat16 matrices held in oneDNN's blocked
                                                    layout (where oneDNN has one: AVX-512 BF16)
+``LLMLIB_BFLOAT16_WIDEN``   ``0``, ``1``           other bfloat16 matrices are widened to float32
+                                                   for products of several rows (on a CPU with
+                                                   no bfloat16 arithmetic: AVX2 only)
 ``LLMLIB_FUSED_NORM``       ``0``, ``1``           RMSNorm as one C++ pass per row (``1``)
 ``LLMLIB_PAGED_KERNEL``     ``0``, ``1``           decode attention read in place from the KV
                                                    cache by llmlib's kernel (``1``)
@@ -118,6 +121,7 @@ class Flags:
     matvec: bool  # one-row float32 products by llmlib's kernel
     onednn_float32: bool  # a oneDNN-blocked copy of each float32 matrix for several rows
     onednn_bfloat16: bool  # bfloat16 matrices in oneDNN's blocked layout (where it exists)
+    bfloat16_widen: bool  # plain bfloat16 matrices multiply several rows in float32
     fused_norm: bool  # RMSNorm in C++ (needs the AVX-512 build)
     paged_kernel: bool  # decode attention by llmlib's kernel
     activations: str  # the dtype int8/int4/gguf models compute in: "float32" or "bfloat16"
@@ -149,7 +153,8 @@ class Flags:
         return (
             f"isa={self.isa} integer={self.integer} matvec={int(self.matvec)} "
             f"onednn_float32={int(self.onednn_float32)} "
-            f"onednn_bfloat16={int(self.onednn_bfloat16)} fused_norm={int(self.fused_norm)} "
+            f"onednn_bfloat16={int(self.onednn_bfloat16)} "
+            f"bfloat16_widen={int(self.bfloat16_widen)} fused_norm={int(self.fused_norm)} "
             f"paged_kernel={int(self.paged_kernel)} activations={self.activations}"
         )
 
@@ -161,6 +166,7 @@ class Flags:
             "LLMLIB_MATVEC": str(int(self.matvec)),
             "LLMLIB_ONEDNN_FLOAT32": str(int(self.onednn_float32)),
             "LLMLIB_ONEDNN_BFLOAT16": str(int(self.onednn_bfloat16)),
+            "LLMLIB_BFLOAT16_WIDEN": str(int(self.bfloat16_widen)),
             "LLMLIB_FUSED_NORM": str(int(self.fused_norm)),
             "LLMLIB_PAGED_KERNEL": str(int(self.paged_kernel)),
             "LLMLIB_ACTIVATIONS": self.activations,
@@ -236,6 +242,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
     paged = _switch(env, "LLMLIB_PAGED_KERNEL")
     onednn32 = _switch(env, "LLMLIB_ONEDNN_FLOAT32")
     onednn16 = _switch(env, "LLMLIB_ONEDNN_BFLOAT16")
+    widen16 = _switch(env, "LLMLIB_BFLOAT16_WIDEN")
     acts = _choice(env, "LLMLIB_ACTIVATIONS", ACTIVATIONS)
     timeout = env.get("LLMLIB_TP_STARTUP_TIMEOUT")
     try:
@@ -251,6 +258,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         matvec=(not_intel if matvec is None else matvec) and isa != "none",
         onednn_float32=not_intel if onednn32 is None else onednn32,
         onednn_bfloat16=native_bf16 if onednn16 is None else onednn16,
+        bfloat16_widen=not native_bf16 if widen16 is None else widen16,
         fused_norm=(True if fused is None else fused) and isa == "avx512",
         paged_kernel=(True if paged is None else paged) and isa != "none",
         activations=acts or ("bfloat16" if native_bf16 else "float32"),
@@ -328,7 +336,8 @@ def paths(f: Flags | None = None) -> list[dict[str, object]]:
         out.append({"isa": isa, **_implied(isa, best)})
     if best.integer != "off":
         out.append({"integer": "off"})
-    for name in ("matvec", "onednn_float32", "paged_kernel", "fused_norm", "onednn_bfloat16"):
+    switches = ("matvec", "onednn_float32", "paged_kernel", "fused_norm", "onednn_bfloat16")
+    for name in (*switches, "bfloat16_widen"):
         value = getattr(best, name)
         if name == "fused_norm" and best.isa != "avx512":
             continue

@@ -16,7 +16,9 @@ What decides (:func:`pack_matrix`), for a matrix on a CPU:
 * float32: the one-row kernel and oneDNN's second copy where the flags choose them
   (:class:`~llmlib.kernels.weights.Float32Weight`), every matrix in one buffer, in the layout
   decode streams fastest (:mod:`llmlib.kernels.layout`);
-* bfloat16: oneDNN's blocked layout where the CPU has one (:mod:`llmlib.kernels.onednn`).
+* bfloat16: oneDNN's blocked layout where the CPU has one (:mod:`llmlib.kernels.onednn`); on a
+  CPU without bfloat16 arithmetic, plain, widened to float32 for products of several rows
+  (:class:`~llmlib.kernels.weights.Bfloat16Weight`).
 
 On a GPU, float matrices stay ``nn.Linear`` and codes take PyTorch's CUDA kernels. Every choice
 comes from :func:`llmlib.kernels.flags.flags`, so a test can force each path.
@@ -37,9 +39,11 @@ from torch import nn
 from llmlib.dtypes import QUANTIZATIONS
 from llmlib.kernels import integer, layout, matvec, onednn
 from llmlib.kernels import norm as fused_norm
+from llmlib.kernels.flags import flags
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
 from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
 from llmlib.kernels.weights import (
+    Bfloat16Weight,
     Float32Weight,
     Int4Weight,
     PackedWeight,
@@ -147,8 +151,12 @@ def pack_dense(name: str, w: torch.Tensor, fmt: Format) -> PackedWeight | torch.
         one_row = w.shape[1] % 16 == 0 and w.is_contiguous() and matvec.available()
         blocked = onednn.available(torch.float32)
         return Float32Weight(w, one_row=one_row, blocked=blocked)
-    if fmt.dtype == torch.bfloat16 and name != "embed" and onednn.available(torch.bfloat16):
+    if fmt.dtype != torch.bfloat16:
+        return w
+    if name != "embed" and onednn.available(torch.bfloat16):
         return onednn.OneDNNWeight(w)  # a table keeps plain rows for the lookup
+    if flags().bfloat16_widen:
+        return Bfloat16Weight(w)
     return w
 
 

@@ -129,17 +129,19 @@ def load_kernels() -> None:
 
 def freezes(model: nn.Module) -> bool:
     """Whether ``model``'s compiled steps are frozen, their weights constants of the package: on
-    the CPU, where every matrix is bfloat16 (plain, or oneDNN's layout, which
-    :func:`llmlib.runtime.compile.plain_bfloat16` turns back into plain before tracing)."""
+    the CPU, where every matrix is bfloat16 (plain, widened for prompts only, or oneDNN's layout,
+    which :func:`llmlib.runtime.compile.plain_bfloat16` turns back into plain before tracing)."""
     from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.kernels.prepare import weight_matrices
+    from llmlib.kernels.weights import Bfloat16Weight
     from llmlib.runtime.compile import compile_options
 
     if compile_options(model) is None:
         return False
     mats = [m.weight for m in weight_matrices(model).values()]
     return bool(mats) and all(
-        isinstance(w, OneDNNWeight) or (isinstance(w, nn.Parameter) and w.dtype == torch.bfloat16)
+        isinstance(w, OneDNNWeight | Bfloat16Weight)
+        or (isinstance(w, nn.Parameter) and w.dtype == torch.bfloat16)
         for w in mats
     )
 
