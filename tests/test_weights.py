@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from llmlib.config import ModelConfig
-from llmlib.kernels import matvec, weights
+from llmlib.kernels import bfloat16, matvec
+from llmlib.kernels.bfloat16 import Bfloat16Weight
 from llmlib.kernels.flags import flags, forced
 from llmlib.kernels.prepare import blocked_copies, prepare, weight_matrices
-from llmlib.kernels.weights import Bfloat16Weight, Float32Weight
+from llmlib.kernels.weights import Float32Weight
 from llmlib.model import random_model
 
 onednn = pytest.mark.skipif(
@@ -76,17 +77,17 @@ def test_other_dtypes_stay_plain_where_onednn_cannot():
     assert all(isinstance(m.weight, torch.Tensor) for m in weight_matrices(model).values())
 
 
-@pytest.mark.parametrize("rows", [1, weights.WIDEN_ROWS - 1, weights.WIDEN_ROWS, 40])
+@pytest.mark.parametrize("rows", [1, bfloat16.WIDEN_ROWS - 1, bfloat16.WIDEN_ROWS, 40])
 def test_bfloat16_widened_for_several_rows(monkeypatch, rows):
     """A CPU without bfloat16 arithmetic: up to a few rows, PyTorch's bfloat16 product itself;
     from WIDEN_ROWS rows on, the matrix widened to float32 a slice at a time (here 10 rows of it
     per slice, the last one short), the same sums rounded to bfloat16 once."""
-    monkeypatch.setattr(weights, "WIDEN_SLICE", 10 * 64)
+    monkeypatch.setattr(bfloat16, "WIDEN_SLICE", 10 * 64)
     w, b = _w().bfloat16(), torch.randn(96).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
     stored = Bfloat16Weight(w)
     got = stored.linear(x, b)
-    if rows < weights.WIDEN_ROWS:
+    if rows < bfloat16.WIDEN_ROWS:
         assert torch.equal(got, F.linear(x, w, b))
     else:
         assert torch.equal(got, stored._mm(x) + b)

@@ -18,7 +18,7 @@ What decides (:func:`pack_matrix`), for a matrix on a CPU:
   decode streams fastest (:mod:`llmlib.kernels.layout`);
 * bfloat16: oneDNN's blocked layout where the CPU has one (:mod:`llmlib.kernels.onednn`); on a
   CPU without bfloat16 arithmetic, plain, widened to float32 for products of several rows
-  (:class:`~llmlib.kernels.weights.Bfloat16Weight`).
+  (:class:`~llmlib.kernels.bfloat16.Bfloat16Weight`).
 
 On a GPU, float matrices stay ``nn.Linear`` and codes take PyTorch's CUDA kernels. Every choice
 comes from :func:`llmlib.kernels.flags.flags`, so a test can force each path.
@@ -39,11 +39,11 @@ from torch import nn
 from llmlib.dtypes import QUANTIZATIONS
 from llmlib.kernels import integer, layout, matvec, onednn
 from llmlib.kernels import norm as fused_norm
+from llmlib.kernels.bfloat16 import Bfloat16Weight
 from llmlib.kernels.flags import flags
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
 from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
 from llmlib.kernels.weights import (
-    Bfloat16Weight,
     Float32Weight,
     Int4Weight,
     PackedWeight,

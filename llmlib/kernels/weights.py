@@ -16,8 +16,8 @@ holds one of these). The layouts:
   for products of several rows (both where MKL is slow: CPUs not made by Intel);
 * :class:`llmlib.kernels.onednn.OneDNNWeight` — bfloat16 (or float32) held only in oneDNN's
   blocked layout (AMX and AVX512-BF16);
-* :class:`Bfloat16Weight` — a plain bfloat16 matrix on a CPU without bfloat16 arithmetic (AVX2
-  only), multiplied in float32 when several rows share the product;
+* :class:`llmlib.kernels.bfloat16.Bfloat16Weight` — a plain bfloat16 matrix on a CPU without
+  bfloat16 arithmetic (AVX2 only), multiplied in float32 when several rows share the product;
 * :class:`Int8Weight` and :class:`Int4Weight` — int8 codes with a scale per row, 4-bit codes with
   a scale and a zero point per group: PyTorch's weight-only kernels (``_weight_int8pack_mm``,
   ``_weight_int4pack_mm*``), on CPUs and GPUs, the reference the faster kernels are checked with;
@@ -300,55 +300,6 @@ class Float32Weight(PackedWeight):
         w = self.w
         owns = w.is_contiguous() and w.untyped_storage().nbytes() == w.numel() * 4
         destination[prefix.removesuffix(".")] = w if owns else w.contiguous().clone()
-
-
-#: From how many rows a :class:`Bfloat16Weight` widens its matrix to float32 for the product.
-WIDEN_ROWS = 8
-#: How many weights of the matrix are widened at a time (4 MiB of float32: the slice is read
-#: back while it is still in cache, and a big table never has a float32 copy made whole).
-WIDEN_SLICE = 1 << 20
-
-
-class Bfloat16Weight(PackedWeight):
-    """A bfloat16 matrix on a CPU that has no bfloat16 arithmetic (no AVX512-BF16, no AMX: an
-    AVX2-only machine), and the product that suits each number of rows there.
-
-    A row or two (decode) is limited by how fast the matrix streams from memory: PyTorch's own
-    bfloat16 product reads it at half the bytes of float32, which is the point of the format.
-    Many rows (a prompt, a batch) are limited by arithmetic, which such a CPU does in float32
-    only. PyTorch's generic bfloat16 kernel then converts inside its inner loop and runs several
-    times slower than the tuned float32 kernels. So from :data:`WIDEN_ROWS` rows on, a slice of
-    the matrix at a time is widened to float32 and multiplied by those. Both ways sum in float32
-    and round the result to bfloat16 once. Inside ``torch.compile`` the graph multiplies the
-    bfloat16 matrix itself, with its own kernels. In a state dict this is the plain matrix.
-    """
-
-    kind = "bfloat16 (widened for several rows)"
-    _constants = "w"
-
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__(tuple(w.shape))
-        self.register_buffer("w", w.detach())
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _compiling() or x.numel() < WIDEN_ROWS * x.shape[-1] or x.dtype != self.w.dtype:
-            return F.linear(x, self.w, bias)
-        return super().linear(x, bias)
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        step = max(1, WIDEN_SLICE // self.shape[1])
-        parts = [F.linear(xf, self.w[i : i + step].float()) for i in range(0, self.shape[0], step)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.w)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.w
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        destination[prefix.removesuffix(".")] = self.w
 
 
 class RowTiles(PackedWeight):

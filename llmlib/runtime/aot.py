@@ -131,9 +131,9 @@ def freezes(model: nn.Module) -> bool:
     """Whether ``model``'s compiled steps are frozen, their weights constants of the package: on
     the CPU, where every matrix is bfloat16 (plain, widened for prompts only, or oneDNN's layout,
     which :func:`llmlib.runtime.compile.plain_bfloat16` turns back into plain before tracing)."""
+    from llmlib.kernels.bfloat16 import Bfloat16Weight
     from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.kernels.prepare import weight_matrices
-    from llmlib.kernels.weights import Bfloat16Weight
     from llmlib.runtime.compile import compile_options
 
     if compile_options(model) is None:
