@@ -79,14 +79,15 @@ test-big: venv
 build-book: venv fetch
 	$(JB)
 
-# Screenshots of every chapter page in headless Chromium (installed here if missing).
+# Screenshots of every chapter page in headless Chromium (installed here if missing), WORKERS
+# pages at a time, as the unit tests run.
 pages: venv
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { echo "installing Debian's chromium for the page screenshots"; \
 	    $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium >/dev/null || \
 	    { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q >/dev/null && \
 	      $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium >/dev/null; }; }
-	$(BIN)/python -m pytest -q -m pages -p no:cacheprovider
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m pages -p no:cacheprovider
 
 # The GPU check: tests and benchmarks on a CUDA machine, results under results/gpu/. It runs with
 # the machine's own Python (torch with CUDA already installed there, no network), not the venv.
