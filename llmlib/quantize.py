@@ -120,7 +120,8 @@ def quantize_int8(w: torch.Tensor) -> ChannelCodes:
     """Symmetric int8 per output channel: ``scale = max|w[n]| / 127``, ``q = round(w / scale)``."""
     w = w.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    steps = w / scale[:, None]  # one float32 temporary, rounded and clamped in place
+    q = steps.round_().clamp_(-127, 127).to(torch.int8)
     return ChannelCodes(q, scale)
 
 
