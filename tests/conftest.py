@@ -69,10 +69,23 @@ def kwargs_of(monkeypatch):
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist each worker keeps to one torch thread: two workers then share the two
-    cores instead of four threads fighting over them."""
-    import os
-
+    cores instead of four threads fighting over them. The processes a test starts get one thread
+    too, unless they ask for more (OMP_NUM_THREADS)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_after_each_test():
+    """A command a test runs in-process (``--threads 2``) sets torch's threads for the whole
+    worker; put it back, or every later test in that worker runs two threads beside the other
+    worker's, and both slow down several times (OpenMP threads spin while they wait)."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
