@@ -325,6 +325,17 @@ def forced(**changes) -> Iterator[Flags]:
         _current[:] = [base]
 
 
+#: The on/off choices :func:`paths` flips, one at a time.
+SWITCHES = (
+    "matvec",
+    "onednn_float32",
+    "paged_kernel",
+    "fused_norm",
+    "onednn_bfloat16",
+    "bfloat16_widen",
+)
+
+
 def paths(f: Flags | None = None) -> list[dict[str, object]]:
     """Every combination of forced choices this machine can execute that changes a fast path,
     one change at a time from the default (the tests run each): the C++ builds the CPU has, the
@@ -336,8 +347,7 @@ def paths(f: Flags | None = None) -> list[dict[str, object]]:
         out.append({"isa": isa, **_implied(isa, best)})
     if best.integer != "off":
         out.append({"integer": "off"})
-    switches = ("matvec", "onednn_float32", "paged_kernel", "fused_norm", "onednn_bfloat16")
-    for name in (*switches, "bfloat16_widen"):
+    for name in SWITCHES:
         value = getattr(best, name)
         if name == "fused_norm" and best.isa != "avx512":
             continue
