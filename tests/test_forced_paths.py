@@ -160,6 +160,14 @@ def _engine_tokens(m, **kw):
     return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
 
 
+def _invariant_logprobs(m, prompts) -> list[list[float]]:
+    """The batch-invariant engine's greedy logprobs, every prompt prefilled in one step."""
+    llm = llmlib.LLM(m, Tok(), num_blocks=64, block_size=4, max_num_seqs=4, batch_invariant=True)
+    params = llmlib.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[e.logprob for e in o.outputs[0].logprobs] for o in outs]
+
+
 @pytest.mark.parametrize("path", PATHS, ids=_name)
 def test_every_format_under_a_forced_path(request, files, reference, path) -> None:
     """Eager, in every format: logits within the format's rounding of the plain path's, a float
@@ -181,6 +189,10 @@ def test_every_format_under_a_forced_path(request, files, reference, path) -> No
             if fmt == "float32":  # its row-tiled view shares every matrix, opaque ones too
                 got = _engine_tokens(m, batch_invariant=True)[0]
                 assert got == mine, (fmt, _name(path), "batch-invariant engine")
+            if fmt in FLOAT:  # bitwise: batched, a prompt's rows land anywhere in a tile
+                alone = [_invariant_logprobs(m, [p])[0] for p in PROMPTS]
+                together = _invariant_logprobs(m, PROMPTS)
+                assert together == alone, (fmt, _name(path), "batch-invariant logprobs")
 
 
 #: the compiled steps, where their code differs from the default's (tests/test_aot.py compiles the

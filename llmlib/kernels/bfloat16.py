@@ -33,6 +33,12 @@ class Bfloat16Weight(PackedWeight):
     the matrix at a time is widened to float32 and multiplied by those. Both ways sum in float32
     and round the result to bfloat16 once. Inside ``torch.compile`` the graph multiplies the
     bfloat16 matrix itself, with its own kernels. In a state dict this is the plain matrix.
+
+    The widened product is not row-invariant, so the batch-invariant engine's view
+    (:func:`llmlib.kernels.prepare.row_tiled`) multiplies the plain matrix instead. MKL's float32
+    kernel for AVX2 computes the last two rows of a 32-row tile with other code, which sums in
+    another order, so a token's result would depend on which row of its tile it landed in.
+    PyTorch's bfloat16 kernel treats every row alike.
     """
 
     kind = "bfloat16 (widened for several rows)"

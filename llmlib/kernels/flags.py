@@ -358,12 +358,15 @@ def paths(f: Flags | None = None) -> list[dict[str, object]]:
 
 
 def _implied(isa: str, best: Flags) -> dict[str, object]:
-    """What forcing a lower ISA drags along (no VNNI below AVX-512, no kernels at none)."""
+    """What forcing a lower ISA drags along (no VNNI below AVX-512, no kernels at none; at AVX2,
+    the bfloat16 products of a CPU without bfloat16 arithmetic, as an AVX2-only CPU has)."""
     changes: dict[str, object] = {}
     if best.integer == "vnni" or isa == "none":
         changes["integer"] = "avx2" if isa == "avx2" else "off"
     if isa != "avx512":
         changes["fused_norm"] = False
+    if isa == "avx2" and not best.bfloat16_widen:
+        changes["bfloat16_widen"] = True
     if isa == "none":
         changes.update(matvec=False, paged_kernel=False)
     return changes

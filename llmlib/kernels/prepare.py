@@ -335,7 +335,12 @@ def row_tiled(model: nn.Module, tile: int) -> nn.Module:
     """A view of ``model`` (every tensor shared, nothing copied) whose every weight product is
     taken ``tile`` rows at a time (:class:`~llmlib.kernels.weights.RowTiles`): what the
     batch-invariant engine runs, so a token's products never depend on how many rows share its
-    step. The model itself is unchanged."""
+    step. The model itself is unchanged.
+
+    A fixed shape is not enough for MKL's float32 kernels for AVX2: they compute some rows of a
+    tile with other code than the rest (rows 30 and 31 of 32), so a token's sums would depend on
+    the row it lands in. Below AVX-512, float32 matrices without oneDNN's blocked copy get one
+    for the view (it treats every row alike); bfloat16 matrices are multiplied plainly."""
     # shared, not copied: parameters, buffers, and tensors a module holds as a plain attribute
     # (Float32Weight's oneDNN copy: opaque, it has no storage that deepcopy could read)
     held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
@@ -343,6 +348,10 @@ def row_tiled(model: nn.Module, tile: int) -> nn.Module:
     view = copy.deepcopy(model, memo={id(t): t for t in tensors})
     for name, mod in weight_matrices(view).items():
         w = mod.weight
+        if isinstance(w, Bfloat16Weight):  # its widened product is not row-invariant: see there
+            w = w.dequantize()
+        elif isinstance(w, Float32Weight) and w.blocked is None and flags().isa != "avx512":
+            w = Float32Weight(w.w, one_row=w.one_row, blocked=onednn.supported(torch.float32))
         tiles = RowTiles(w if isinstance(w, PackedWeight) else w.detach(), tile)
         if isinstance(mod, TokenEmbedding):
             replace_module(view, name, PackedEmbedding(tiles, mod.scale))
