@@ -49,15 +49,20 @@ class Bfloat16Weight(PackedWeight):
         self.register_buffer("w", w.detach())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _compiling() or x.numel() < WIDEN_ROWS * x.shape[-1] or x.dtype != self.w.dtype:
-            return F.linear(x, self.w, bias)
-        return super().linear(x, bias)
+        few_rows = x.numel() < WIDEN_ROWS * x.shape[-1]
+        if _compiling() or few_rows or x.dtype != self.w.dtype:
+            return F.linear(x, self.w, bias)  # PyTorch's bfloat16 product
+        return super().linear(x, bias)  # reshapes x to rows, calls _mm, adds the bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        step = max(1, WIDEN_SLICE // self.shape[1])
-        parts = [F.linear(xf, self.w[i : i + step].float()) for i in range(0, self.shape[0], step)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+        step = max(1, WIDEN_SLICE // self.shape[1])  # rows of the matrix per slice
+        parts = []
+        for i in range(0, self.shape[0], step):
+            wide = self.w[i : i + step].float()  # this slice of the matrix, in float32
+            parts.append(F.linear(xf, wide))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+        return out.to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w)
