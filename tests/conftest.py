@@ -82,7 +82,7 @@ def pytest_configure(config) -> None:
 def _one_thread_after_each_test():
     """A command a test runs in-process (``--threads 2``) sets torch's threads for the whole
     worker; put it back, or every later test in that worker runs two threads beside the other
-    worker's, and both slow down several times (OpenMP threads spin while they wait)."""
+    worker's, and both slow down several times."""
     yield
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch

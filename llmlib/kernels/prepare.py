@@ -332,10 +332,11 @@ def quantize_model(
 
 
 def row_tiled(model: nn.Module, tile: int) -> nn.Module:
-    """A view of ``model`` (every tensor shared, nothing copied) whose every weight product is
-    taken ``tile`` rows at a time (:class:`~llmlib.kernels.weights.RowTiles`): what the
-    batch-invariant engine runs, so a token's products never depend on how many rows share its
-    step. The model itself is unchanged.
+    """A view of ``model`` (its tensors shared, not copied, with one exception below) whose
+    every weight product is taken ``tile`` rows at a time
+    (:class:`~llmlib.kernels.weights.RowTiles`): what the batch-invariant engine runs, so a
+    token's products never depend on how many rows share its step. The model itself is
+    unchanged.
 
     A fixed shape is not enough for MKL's float32 kernels for AVX2: they compute some rows of a
     tile with other code than the rest (rows 30 and 31 of 32), so a token's sums would depend on
