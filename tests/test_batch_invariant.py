@@ -244,6 +244,50 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
     torch.testing.assert_close(near, got, atol=0.05, rtol=0.02)
 
 
+def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
+    """A graph that computes some rows of a 32-row group with other code (as MKL's float32
+    kernel for AVX2 does, rows 30 and 31) is caught by one token copied into every row: the
+    generated tokens then go in groups of the next size that passes; a graph fine at every size
+    keeps the preferred ones."""
+    if not paged_attention.available():
+        pytest.skip("the paged attention kernel cannot run on this machine")
+    from llmlib.engine.invariant import PROMPT_TILE, ROW_TILE, InvariantRows
+    from llmlib.engine.runner import ModelRunner
+
+    runner = ModelRunner(tiny(torch.float32), num_blocks=40, block_size=4, batch_invariant=True)
+    seen = []
+
+    def skewed(ids, positions, step):
+        out = runner._forward_rows(ids, positions, step)
+        seen.append(out.shape[0])
+        if out.shape[0] == 32:
+            out[30:] = out[30:] * (1 + 2**-20)  # the last two rows' sums in another order
+        return out
+
+    def rows_of(forward):
+        rows = InvariantRows(forward, runner.cache, scratch_block=39, max_blocks=10)
+        return rows.settle(), rows.rows, rows.prompt_rows
+
+    assert rows_of(runner._forward_rows) == (None, ROW_TILE, PROMPT_TILE)
+    assert rows_of(skewed) == (None, 48, PROMPT_TILE)
+    assert seen == [32, 48, 128]
+    broken = rows_of(lambda *a: skewed(*a) * (1 + 2**-20 * torch.arange(len(a[0][0]))[:, None]))
+    assert broken[0].startswith("no group of (32, 48, 64) or (128, 192, 256) rows")
+
+
+def test_where_no_group_size_works_the_invariant_mode_stays_eager(monkeypatch):
+    from llmlib.engine.invariant import InvariantRows
+
+    if not paged_attention.available():
+        pytest.skip("the paged attention kernel cannot run on this machine")
+    monkeypatch.setattr(InvariantRows, "alike", lambda self, rows, token=1: False)
+    llm = LLM(tiny(torch.float32), num_blocks=64, batch_invariant=True, compile=True)
+    assert llm.runner.rows is None and llm.block_manager.outputs_apart is False
+    assert llm.runner.decode_path.startswith("eager (no group of (32, 48, 64)")
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(prompts(2), sp, use_tqdm=False)[1].token_ids) == 4
+
+
 def test_without_the_kernel_the_invariant_mode_stays_eager():
     with forced(paged_kernel=False):
         llm = LLM(tiny(torch.float32), num_blocks=64, batch_invariant=True, compile=True)

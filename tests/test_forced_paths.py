@@ -160,12 +160,19 @@ def _engine_tokens(m, **kw):
     return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
 
 
-def _invariant_logprobs(m, prompts) -> list[list[float]]:
+def _invariant_logprobs(m, prompts, llm=None) -> list[list[float]]:
     """The batch-invariant engine's greedy logprobs, every prompt prefilled in one step."""
-    llm = llmlib.LLM(m, Tok(), num_blocks=64, block_size=4, max_num_seqs=4, batch_invariant=True)
+    if llm is None:
+        llm = llmlib.LLM(
+            m, Tok(), num_blocks=64, block_size=4, max_num_seqs=4, batch_invariant=True
+        )
     params = llmlib.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [[e.logprob for e in o.outputs[0].logprobs] for o in outs]
+
+
+#: enough sequences decoding at once to fill a group of generated rows (ROW_TILE, 32) and more
+MANY = [[(7 * i + j) % 250 + 3 for j in range(3 + i % 5)] for i in range(40)]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=_name)
@@ -243,6 +250,14 @@ def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt
             assert gen.decode_path in on_disk, gen.decode_path
         assert got == tokens, (fmt, _name(path), "compiled engine")
         assert llm.runner.graphs.static_steps > 0
+        if fmt in FLOAT:  # bitwise, with every row of a group of generated tokens in use
+            kw = dict(num_blocks=512, block_size=4, max_num_seqs=64, batch_invariant=True)
+            llm = llmlib.LLM(m, Tok(), compile=True, **kw)
+            assert llm.runner.rows is not None, llm.runner.decode_path
+            together = _invariant_logprobs(m, MANY, llm)
+            alone = [_invariant_logprobs(m, [p], llm)[0] for p in MANY]
+            differ = [i for i, (a, b) in enumerate(zip(alone, together)) if a != b]
+            assert not differ, (fmt, _name(path), "compiled batch-invariant", differ)
 
 
 def test_the_paths_cover_every_switch_this_machine_has() -> None:

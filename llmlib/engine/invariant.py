@@ -40,7 +40,10 @@ Compiled (``LLM(path, batch_invariant=True)`` on a CPU by default, as the defaul
 ``PROMPT_TILE`` rows (a prompt's tokens) or ``ROW_TILE`` rows (generated ones), run through the
 engine's compiled step. A compiled graph picks its own kernels and fuses operators as it likes,
 but fed one shape it runs the same code every time, and nothing in it mixes rows: products,
-norms and activations are row by row, and the paged kernel gives each row its own keys. The
+norms and activations are row by row, and the paged kernel gives each row its own keys. One shape
+does not make every row of a product run the same code, though (MKL's float32 kernel for AVX2
+computes rows 30 and 31 of 32 another way), so the engine checks each size at start and takes
+the first that passes (:meth:`InvariantRows.settle`), or runs the eager steps if none does. The
 graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.compiled`), shared with
 the default engine; compiled in memory (a model built in memory), inductor may tune its kernels
 differently in another process, so the guarantee is within one engine's process. Its results
@@ -63,6 +66,9 @@ from llmlib.model.attention import AttentionSpec, soft_cap
 ROW_TILE = 32
 #: rows per group of prompt tokens in the compiled mode (:class:`InvariantRows`)
 PROMPT_TILE = 128
+#: group sizes the compiled mode tries, in turn, until the graph computes every row alike
+#: (:meth:`InvariantRows.settle`)
+ROW_CHOICES, PROMPT_CHOICES = (ROW_TILE, 48, 64), (PROMPT_TILE, 192, 256)
 #: query positions per attention tile, and keys per key tile
 Q_TILE = 2
 K_TILE = 64
@@ -320,10 +326,40 @@ class InvariantRows:
         return self._steps[rows, nb]
 
     @torch.inference_mode()  # as the engine's steps run: a graph compiled here serves them
-    def run_padding(self) -> None:
-        """One group of padding rows: a graph compiled in memory compiles here."""
-        step = self._step(self.rows, 2)
-        self.forward(step.ids, step.positions, step)
+    def alike(self, rows: int, token: int = 1) -> bool | None:
+        """Whether the graph computes every row of a ``rows``-row group alike: one token copied
+        into every row (position 0, in the scratch block) must give every row the same logits, bit
+        for bit. None: the test says nothing (the token's logits are all equal).
+
+        One shape is not enough by itself: a kernel may cut a product's rows into panels and
+        take the last few with other code. MKL's float32 kernel for AVX2 does so for rows 30 and
+        31 of 32, so a token's logits would depend on whether 31 sequences were decoding."""
+        step = self._step(rows, 2)
+        s, scratch = self.scratch_block * self.cache.block_size, self.scratch_block
+        same = torch.full((rows,), token)
+        step.load(same, same * 0, same * 0 + s, torch.full((rows, 1), scratch))
+        logits = self.forward(step.ids, step.positions, step)
+        if bool((logits[0] == logits[0, 0]).all()):
+            return None
+        return bool((logits == logits[:1]).all())
+
+    def settle(self) -> str | None:
+        """Take the first sizes of ``ROW_CHOICES`` and ``PROMPT_CHOICES`` whose every row the
+        graph computes alike (:meth:`alike`). This runs the graph, so one compiled in memory
+        compiles here. None when found, else why not."""
+        first = token = None
+        for token in (1, 2, 3):  # a token whose logits are all equal tells nothing
+            if (first := self.alike(ROW_TILE, token)) is not None:
+                break
+        if first is None:  # nothing to tell rows apart by: keep the preferred sizes
+            return None
+        later = (n for n in ROW_CHOICES[1:] if self.alike(n, token))
+        rows = ROW_TILE if first else next(later, None)
+        prompt = next((n for n in PROMPT_CHOICES if self.alike(n, token)), None)
+        if rows is None or prompt is None:
+            return f"no group of {ROW_CHOICES} or {PROMPT_CHOICES} rows computes its rows alike"
+        self.rows, self.prompt_rows = rows, prompt
+        return None
 
     def run(self, chunks: Seq[SeqChunk], ids: Seq[int], select: Seq[int]) -> torch.Tensor:
         """Logits ``[len(select), vocab]`` at the flat token indices ``select`` of ``chunks``

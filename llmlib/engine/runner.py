@@ -82,14 +82,16 @@ class ModelRunner:
             from llmlib.kernels.prepare import row_tiled
 
             why = rows_compile(model, self.cache) if compile else None
-            if why is not None:
-                self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
             if compile and why is None:
                 self.model = model  # the graph multiplies the model's own matrices
                 max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
                 forward = self._compiled_forward()  # the default engine's graph
-                self.rows = InvariantRows(forward, self.cache, num_blocks, max_blocks)
-            else:  # every product in fixed row tiles, on a view sharing the weights
+                rows = InvariantRows(forward, self.cache, num_blocks, max_blocks)
+                why = self._settle(rows)  # group sizes whose rows the graph computes alike
+                self.rows = rows if why is None else None
+            if why is not None:
+                self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
+            if self.rows is None:  # every product in fixed row tiles, on a view sharing the weights
                 model = row_tiled(model, ROW_TILE)
             compile = False
         self.model = model
@@ -131,21 +133,28 @@ class ModelRunner:
         """Compile the decode step (``compile=True``) now, before any request waits; the seconds
         compiling took (None: loaded from the disk cache). In memory, on an all-padding step of
         ``rows`` rows (inductor tunes its matrix kernels for the rows it first sees)."""
-        if self._compiled is None:  # ahead of time: compiled (or loaded) already
+        if self._compiled is None or self.batch_invariant:  # compiled (or loaded) already
             return self.compile_s
-        if not getattr(self._compiled, "warm", False):  # another engine on the model compiled it
-            print(
-                "llmlib: compiling the engine's decode step (minutes on a small CPU)...",
-                file=sys.stderr,
-                flush=True,
-            )
+        self._announce()
         t0 = time.perf_counter()
-        if self.rows is not None:
-            self.rows.run_padding()
-        else:
-            self.graphs.run_padding(rows)
+        self.graphs.run_padding(rows)
         self._compiled.warm = True
         return time.perf_counter() - t0
+
+    def _announce(self) -> None:
+        if self._compiled is not None and not getattr(self._compiled, "warm", False):
+            msg = "llmlib: compiling the engine's decode step (minutes on a small CPU)..."
+            print(msg, file=sys.stderr, flush=True)  # unless another engine on the model did
+
+    def _settle(self, rows) -> str | None:
+        """Pick the batch-invariant groups' sizes (:meth:`InvariantRows.settle`), which runs the
+        graph: one compiled in memory compiles here, and ``compile_s`` says how long it took."""
+        t0 = time.perf_counter()
+        self._announce()
+        why = rows.settle()
+        if self._compiled is not None:
+            self._compiled.warm, self.compile_s = True, time.perf_counter() - t0
+        return why
 
     def _forward_rows(
         self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheLike
@@ -209,9 +218,7 @@ class ModelRunner:
             # every sequence decodes one token: the fixed-shape step (a CUDA graph replay on a GPU)
             self.forward_passes += 1
             logits = self.graphs.run(chunks, [c.seq.token_ids[c.start] for c in chunks])
-            keep = [
-                i for i, c in enumerate(chunks) if c.samples
-            ]  # a 1-token slice of a prompt samples nothing
+            keep = [i for i, c in enumerate(chunks) if c.samples]  # a prompt's 1-token slice: none
             self._sample([chunks[i] for i in keep], logits[keep], generators, res)
             return res
         plan = StepPlan.of(chunks)
@@ -382,11 +389,7 @@ def _logprob_entries(lp: torch.Tensor, chosen: list[int], k: int) -> list[TokenL
 def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask what a sequence may not sample: its end tokens before ``min_tokens``, and whatever
     its grammar forbids (structured output). A grammar that allows only end tokens wins."""
-    banned = [
-        i
-        for i, s in enumerate(seqs)
-        if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens
-    ]
+    banned = [i for i, s in enumerate(seqs) if s.num_output_tokens < (s.params.min_tokens or 0)]
     matched = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not banned and not matched:
         return logits
