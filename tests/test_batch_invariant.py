@@ -288,6 +288,33 @@ def test_where_no_group_size_works_the_invariant_mode_stays_eager(monkeypatch):
     assert len(llm.generate(prompts(2), sp, use_tqdm=False)[1].token_ids) == 4
 
 
+def test_the_view_takes_a_tile_whose_rows_the_kernel_computes_alike(monkeypatch):
+    """The eager mode's view checks each kind of matrix once: where the kernel computes rows 30
+    and 31 of a 32-row tile another way (as MKL's float32 kernel for AVX2 does), it takes 48-row
+    tiles; where every tile fails, loading the engine fails, naming a matrix."""
+    from llmlib.kernels.prepare import row_tiled, weight_matrices
+
+    m = tiny(torch.float32)
+    plain = Float32Weight.linear
+    probed = []
+
+    def skewed(self, x, bias=None):
+        y = plain(self, x, bias)
+        probed.append(tuple(self.shape))
+        return torch.cat([y[:30], y[30:] * (1 + 2**-20)]) if len(y) == 32 else y
+
+    monkeypatch.setattr(Float32Weight, "linear", skewed)
+    view = row_tiled(m, 32, (48, 64))
+    tiles = [mod.weight for mod in weight_matrices(view).values()]
+    assert tiles and all(isinstance(t, RowTiles) for t in tiles)
+    inner = [t for t in tiles if isinstance(t.inner, Float32Weight)]
+    assert inner and {t.tile for t in inner} == {48}
+    assert len(probed) == 2 * len({t.shape for t in inner})  # once per shape: 32, then 48
+    monkeypatch.setattr(Float32Weight, "linear", lambda self, x, bias=None: torch.rand(len(x), 3))
+    with pytest.raises(ValueError, match=r"no tile of \(32, 48, 64\) rows multiplies"):
+        row_tiled(m, 32, (48, 64))
+
+
 def test_without_the_kernel_the_invariant_mode_stays_eager():
     with forced(paged_kernel=False):
         llm = LLM(tiny(torch.float32), num_blocks=64, batch_invariant=True, compile=True)

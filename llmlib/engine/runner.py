@@ -78,7 +78,7 @@ class ModelRunner:
         #: the batch-invariant mode's compiled groups (every step's tokens, in fixed-size groups)
         self.rows = None
         if batch_invariant:
-            from llmlib.engine.invariant import ROW_TILE, InvariantRows, rows_compile
+            from llmlib.engine.invariant import ROW_CHOICES, ROW_TILE, InvariantRows, rows_compile
             from llmlib.kernels.prepare import row_tiled
 
             why = rows_compile(model, self.cache) if compile else None
@@ -92,7 +92,7 @@ class ModelRunner:
             if why is not None:
                 self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
             if self.rows is None:  # every product in fixed row tiles, on a view sharing the weights
-                model = row_tiled(model, ROW_TILE)
+                model = row_tiled(model, ROW_TILE, ROW_CHOICES[1:])
             compile = False
         self.model = model
         forward = self._forward_rows

@@ -331,7 +331,7 @@ def quantize_model(
     return model
 
 
-def row_tiled(model: nn.Module, tile: int) -> nn.Module:
+def row_tiled(model: nn.Module, tile: int, larger: tuple[int, ...] = ()) -> nn.Module:
     """A view of ``model`` (its tensors shared, not copied, with one exception below) whose
     every weight product is taken ``tile`` rows at a time
     (:class:`~llmlib.kernels.weights.RowTiles`): what the batch-invariant engine runs, so a
@@ -341,19 +341,32 @@ def row_tiled(model: nn.Module, tile: int) -> nn.Module:
     A fixed shape is not enough for MKL's float32 kernels for AVX2: they compute some rows of a
     tile with other code than the rest (rows 30 and 31 of 32), so a token's sums would depend on
     the row it lands in. Below AVX-512, float32 matrices without oneDNN's blocked copy get one
-    for the view (it treats every row alike); bfloat16 matrices are multiplied plainly."""
+    for the view (it treats every row alike); bfloat16 matrices are multiplied plainly. And each
+    kind of matrix (layout and shape) is checked once (:meth:`RowTiles.alike`): where ``tile``
+    rows fail, the first of ``larger`` that passes is taken, and if none does, an error names
+    the matrix."""
     # shared, not copied: parameters, buffers, and tensors a module holds as a plain attribute
     # (Float32Weight's oneDNN copy: opaque, it has no storage that deepcopy could read)
     held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
     tensors = itertools.chain(model.parameters(), model.buffers(), held)
     view = copy.deepcopy(model, memo={id(t): t for t in tensors})
+    chosen: dict[tuple, int | None] = {}
     for name, mod in weight_matrices(view).items():
         w = mod.weight
         if isinstance(w, Bfloat16Weight):  # its widened product is not row-invariant: see there
             w = w.dequantize()
         elif isinstance(w, Float32Weight) and w.blocked is None and flags().isa != "avx512":
             w = Float32Weight(w.w, one_row=w.one_row, blocked=onednn.supported(torch.float32))
-        tiles = RowTiles(w if isinstance(w, PackedWeight) else w.detach(), tile)
+        inner = w if isinstance(w, PackedWeight) else w.detach()
+        key = (type(inner), getattr(inner, "kind", ""), inner.dtype, tuple(inner.shape))
+        if key not in chosen:  # one check per kind of matrix: the same kernel for each
+            chosen[key] = next((t for t in (tile, *larger) if RowTiles(inner, t).alike()), None)
+        if chosen[key] is None:
+            raise ValueError(
+                f"batch-invariant view: no tile of {(tile, *larger)} rows multiplies {name} "
+                f"({key[1] or key[2]}, {key[3]}) with every row alike on this CPU"
+            )
+        tiles = RowTiles(inner, chosen[key])
         if isinstance(mod, TokenEmbedding):
             replace_module(view, name, PackedEmbedding(tiles, mod.scale))
         else:

@@ -354,6 +354,15 @@ class RowTiles(PackedWeight):
         out = torch.cat([self._product(padded[i : i + t], bias) for i in range(0, len(padded), t)])
         return out[:n].view(*lead, out.shape[-1])
 
+    def alike(self) -> bool:
+        """Whether the kernel computes every row of a tile alike: one input row copied into every
+        row must come out the same in each, bit for bit. A fixed shape does not promise it: a
+        kernel may take the last rows of a panel with other code (MKL's float32 kernel for AVX2
+        does, for rows 30 and 31 of 32)."""
+        x = torch.randn(1, self.shape[1], generator=torch.Generator().manual_seed(0))
+        y = self._product(x.to(self.device, self.dtype).expand(self.tile, -1).contiguous(), None)
+        return bool((y == y[:1]).all())
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.dense) if self.inner is None else self.inner.rows(ids)
 
