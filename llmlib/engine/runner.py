@@ -132,7 +132,8 @@ class ModelRunner:
     def compile_now(self, rows: int) -> float | None:
         """Compile the decode step (``compile=True``) now, before any request waits; the seconds
         compiling took (None: loaded from the disk cache). In memory, on an all-padding step of
-        ``rows`` rows (inductor tunes its matrix kernels for the rows it first sees)."""
+        ``rows`` rows (inductor tunes its matrix kernels for the rows it first sees). The
+        batch-invariant groups ran their graph when the runner was made (:meth:`_settle`)."""
         if self._compiled is None or self.batch_invariant:  # compiled (or loaded) already
             return self.compile_s
         self._announce()
