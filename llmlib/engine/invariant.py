@@ -32,8 +32,8 @@ mode:
 The products run in whatever format the model was loaded in (bfloat16 in oneDNN's layout by
 default on a CPU with AMX, float32 elsewhere): a fixed shape makes any deterministic kernel
 invariant that treats every row of a tile alike, which the view checks for each kind of matrix
-(:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. What it costs, ``llmlib bench batching
---batch-invariant`` measures against the default mode in the same run.
+(:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. What it costs,
+``llmlib bench batching --batch-invariant`` measures against the default mode in the same run.
 
 Compiled (``LLM(path, batch_invariant=True)`` on a CPU by default, as the default engine is;
 ``compile=False`` keeps the steps above), the mode holds the shapes still instead
