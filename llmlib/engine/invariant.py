@@ -326,15 +326,15 @@ class InvariantRows:
             self._steps[rows, nb] = StaticDecodeStep(self.cache, rows, nb, self.scratch_block)
         return self._steps[rows, nb]
 
-    @torch.inference_mode()  # as the engine's steps run: a graph compiled here serves them
+    @torch.inference_mode()  # as the engine's steps run (a graph compiled here serves them)
     def alike(self, rows: int, token: int = 1) -> bool | None:
-        """Whether the graph computes every row of a ``rows``-row group alike: one token copied
-        into every row (position 0, in the scratch block) must give every row the same logits, bit
-        for bit. None: the test says nothing (the token's logits are all equal).
+        """Whether the graph computes every row of a ``rows``-row group alike: one token
+        copied into every row (position 0, in the scratch block) must give every row the
+        same logits, bit for bit. None: the test says nothing (all its logits are equal).
 
-        One shape is not enough by itself: a kernel may cut a product's rows into panels and
-        take the last few with other code. MKL's float32 kernel for AVX2 does so for rows 30 and
-        31 of 32, so a token's logits would depend on whether 31 sequences were decoding."""
+        One shape is not enough by itself: a kernel may cut a product's rows into panels
+        and take the last few with other code. MKL's float32 kernel for AVX2 does so for
+        rows 30 and 31 of 32: a token's logits would depend on 31 sequences decoding."""
         step = self._step(rows, 2)
         s, scratch = self.scratch_block * self.cache.block_size, self.scratch_block
         same = torch.full((rows,), token)
