@@ -114,7 +114,7 @@ def _batch_invariant_groups_through_the_same_package(model_file, tmp_path, promp
     with forced(cache=tmp_path, compile_default=True):
         first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
         assert first.runner.decode_path == "compiled (from the cache)" and first.runner.rows
-        assert len(list((tmp_path / "compiled").glob("engine-bs4-*.pt2"))) == 1
+        assert len(list((tmp_path / "compiled").glob("engine-heads-bs4-*.pt2"))) == 1
         alone = first.generate(prompts[-1:], params, use_tqdm=False)[0]
         again = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
         batched = again.generate(prompts, params, use_tqdm=False)[-1]
@@ -155,7 +155,7 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(
         eager = llmlib.LLM(model, Tok(), **kw).generate(prompts, params, use_tqdm=False)
         first = llmlib.LLM(model, Tok(), compile=True, **kw)
         assert first.runner.decode_path == "compiled (now, cached)"
-        assert len(list((tmp_path / "compiled").glob("engine-bs4-frozen-*.pt2"))) == 1
+        assert len(list((tmp_path / "compiled").glob("engine-heads-bs4-frozen-*.pt2"))) == 1
         assert any((tmp_path / "inductor").iterdir())  # the GEMMs were timed in this test
         err = capfd.readouterr().err
         assert "AUTOTUNE" not in err and "Autotune Choices" not in err

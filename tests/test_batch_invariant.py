@@ -240,8 +240,21 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
     # by default a prompt's tokens go in 128-row groups: other sums, near the same logits
     both = InvariantRows(runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10)
     near = both.run(chunks, ids, select)
-    assert sorted({rows for rows, _ in both._steps}) == [32, 128]
+    assert sorted({key[0] for key in both._steps}) == [32, 128]
     torch.testing.assert_close(near, got, atol=0.05, rtol=0.02)
+    # the LM head on 2 rows a group: a group closes before its third sampled token, and every
+    # token asked for (prompt ones too, as prompt log-probabilities ask) gets the same logits
+    many = [5, 10, 15, 22, 30, 40, 52, 60, 64, 65]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2].num_rows)
+        return runner._forward_rows(*args)
+
+    two = InvariantRows(counted, runner.cache, 39, 10, rows=2, prompt_rows=32)
+    assert torch.equal(two.run(chunks, ids, many)[[3, 6, 8, 9]], got)
+    assert torch.equal(two.run(chunks, ids, many), rows.run(chunks, ids, many))
+    assert calls[:5] == [32, 32, 32, 2, 2] and {key[2] for key in two._steps} == {2}
 
 
 def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
@@ -270,7 +283,7 @@ def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
 
     assert rows_of(runner._forward_rows) == (None, ROW_TILE, PROMPT_TILE)
     assert rows_of(skewed) == (None, 48, PROMPT_TILE)
-    assert seen == [32, 48, 128]
+    assert seen == [32, 48, 128, 48]  # a prompt group, with the LM head on all rows and on 48
     broken = rows_of(lambda *a: skewed(*a) * (1 + 2**-20 * torch.arange(len(a[0][0]))[:, None]))
     assert broken[0].startswith("no group of (32, 48, 64) or (128, 192, 256) rows")
 
@@ -280,7 +293,7 @@ def test_where_no_group_size_works_the_invariant_mode_stays_eager(monkeypatch):
 
     if not paged_attention.available():
         pytest.skip("the paged attention kernel cannot run on this machine")
-    monkeypatch.setattr(InvariantRows, "alike", lambda self, rows, token=1: False)
+    monkeypatch.setattr(InvariantRows, "alike", lambda self, *args: False)
     llm = LLM(tiny(torch.float32), num_blocks=64, batch_invariant=True, compile=True)
     assert llm.runner.rows is None and llm.block_manager.outputs_apart is False
     assert llm.runner.decode_path.startswith("eager (no group of (32, 48, 64)")

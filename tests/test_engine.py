@@ -187,7 +187,7 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
     inv.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
     assert inv.runner.rows is not None and counters["stats"]["unique_graphs"] == 1
     groups = inv.runner.rows  # 32 and 128 rows, unless a size failed the check at start
-    ran = {rows for rows, _ in groups._steps}
+    ran = {key[0] for key in groups._steps}
     assert {groups.rows, groups.prompt_rows} <= ran and 32 in ran and 128 in ran
 
 

@@ -21,6 +21,7 @@ from llmlib.engine.graphs import StaticDecodeStep
 from llmlib.engine.paged_cache import PagedKVCache
 from llmlib.kernels.paged_attention import serves_pool
 from llmlib.runtime import aot
+from llmlib.runtime.compile import engine_forward
 
 
 def pool_over(k: list[torch.Tensor], v: list[torch.Tensor]) -> PagedKVCache:
@@ -35,18 +36,18 @@ def pool_over(k: list[torch.Tensor], v: list[torch.Tensor]) -> PagedKVCache:
 
 class EngineStep(nn.Module):
     """The all-decode step as a module ``torch.export`` can trace:
-    ``(ids, positions, write_slots, table, mask, lens, *pool_k, *pool_v)`` -> logits
-    ``[rows, vocab]``, the pool written in place."""
+    ``(ids, positions, write_slots, table, mask, lens, heads, *pool_k, *pool_v)`` -> logits
+    ``[heads, vocab]``, the pool written in place."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, ids, positions, write_slots, table, mask, lens, *pool: torch.Tensor):
+    def forward(self, ids, positions, write_slots, table, mask, lens, heads, *pool: torch.Tensor):
         n = len(pool) // 2
         cache = pool_over(list(pool[:n]), list(pool[n:]))
-        step = StaticDecodeStep.over(cache, ids, positions, write_slots, table, mask, lens)
-        return self.model.logits(self.model.hidden(ids, positions, step)[0])
+        step = StaticDecodeStep.over(cache, ids, positions, write_slots, table, mask, lens, heads)
+        return engine_forward(self.model, ids, positions, step)
 
 
 def load_engine_step(
@@ -63,8 +64,9 @@ def load_engine_step(
     def compile(path: Path) -> None:
         # example sizes unlike any other size of the graph (heads, block size): a symbolic size
         # equal to another in the example would be taken for the same symbol
-        step = StaticDecodeStep(cache, 7, 5, cache.num_blocks - 1)
+        step = StaticDecodeStep(cache, 7, 5, cache.num_blocks - 1, heads=13)
         rows = torch.export.Dim("rows", min=2, max=4096)
+        heads = torch.export.Dim("heads", min=2, max=4096)
         blocks = torch.export.Dim("blocks", min=2, max=1 << 16)
         pool = torch.export.Dim("pool", min=2)
         shapes = {
@@ -74,12 +76,15 @@ def load_engine_step(
             "table": {0: rows, 1: blocks},
             "mask": {0: rows, 3: blocks * cache.block_size},
             "lens": {0: rows},
+            "heads": {0: heads},
             "pool": tuple({0: pool} for _ in range(2 * cache.n_layers)),
         }
         args = (*step.inputs, *cache.k, *cache.v)
         aot.export_and_package(wrapper, model, args, shapes, path, log, "the engine's decode step")
 
-    loaded, cached = aot.load_step(model, f"engine-bs{cache.block_size}", wrapper, compile, log)
+    loaded, cached = aot.load_step(
+        model, f"engine-heads-bs{cache.block_size}", wrapper, compile, log
+    )
     if loaded is None:
         return None, False
 

@@ -37,9 +37,15 @@ class StaticDecodeStep:
     real ones are padding: they write into ``scratch_block``, a block the block manager never hands
     out, and read only its first slot. Attention is the paged step's own
     (:func:`~llmlib.engine.paged_cache.paged_attend`) over this layout.
+
+    Only the rows the ``heads`` buffer names get logits (by default every row, in order): a
+    group of prompt tokens samples a few of its rows, and the LM head, a product as wide as the
+    vocabulary, is a large part of a small model's work.
     """
 
-    def __init__(self, cache: PagedKVCache, rows: int, blocks: int, scratch_block: int) -> None:
+    def __init__(
+        self, cache: PagedKVCache, rows: int, blocks: int, scratch_block: int, heads: int = 0
+    ) -> None:
         if not 0 <= scratch_block < cache.num_blocks:
             raise ValueError(f"StaticDecodeStep: scratch block {scratch_block} is not in the pool")
         dev, bs = cache.device, cache.block_size
@@ -65,6 +71,9 @@ class StaticDecodeStep:
             decodes=[group],
         )
         self._key_pos = torch.arange(blocks * bs)
+        #: the rows whose logits the step returns, in order (an export's example may ask for
+        #: more heads than rows: its indices wrap)
+        self.heads = torch.arange(heads or rows, device=dev) % rows
 
     @classmethod
     def over(
@@ -76,6 +85,7 @@ class StaticDecodeStep:
         table: torch.Tensor,
         mask: torch.Tensor,
         lens: torch.Tensor,
+        heads: torch.Tensor,
     ) -> StaticDecodeStep:
         """A step over the given buffers (``table`` as ``[rows, blocks]``): what a step compiled
         ahead of time receives as its inputs (:mod:`llmlib.runtime.aot`)."""
@@ -86,6 +96,7 @@ class StaticDecodeStep:
         rows_ix = torch.arange(rows, device=ids.device)
         group = DecodeGroup(zeros, rows_ix, table.reshape(-1), blocks, mask, lens)
         step.layout = StepLayout(positions, write_slots, None, [], [group])
+        step.heads = heads
         return step
 
     @property
@@ -97,7 +108,8 @@ class StaticDecodeStep:
         """The step's buffers in the order :meth:`over` takes them (after the pool)."""
         g = self.layout.decodes[0]
         table = g.table.view(self.num_rows, self.num_blocks)
-        return self.ids, self.layout.positions, self.layout.write_slots, table, g.mask, g.lens
+        inputs = self.ids, self.layout.positions, self.layout.write_slots, table, g.mask, g.lens
+        return (*inputs, self.heads)
 
     def attend(
         self,
@@ -128,12 +140,18 @@ class StaticDecodeStep:
         self.load(torch.as_tensor(list(token_ids[:n]), dtype=torch.long), pos, slots, table)
 
     def load(
-        self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        heads: torch.Tensor | None = None,
     ) -> None:
         """Copy one step's ``k`` real rows into the buffers: token ids, positions and write slots
         ``[k]``, block tables ``[k, <= blocks]``. The other rows are padding: token 0 at position
         0 of the scratch block, which no sequence owns; the mask and key counts follow from the
-        positions (padding rows: key 0 only)."""
+        positions (padding rows: key 0 only). ``heads``: the rows to return logits for, first in
+        the buffer (the rest of it: row 0, its logits unread); None leaves the buffer as it is."""
         k, R, bs = len(ids), self.num_rows, self.cache.block_size
         full = torch.zeros((2, R), dtype=torch.long)  # ids, positions
         full[0, :k], full[1, :k] = ids, pos
@@ -148,6 +166,8 @@ class StaticDecodeStep:
         group.table.copy_(all_table.view(-1))
         group.mask.copy_((self._key_pos[None, :] <= full[1][:, None])[:, None, None, :])
         group.lens.copy_(full[1] + 1)
+        if heads is not None:
+            self.heads.zero_()[: len(heads)] = heads
 
 
 def bucket(n: int, limit: int) -> int:

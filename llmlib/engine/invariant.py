@@ -302,7 +302,9 @@ class InvariantRows:
 
     Groups run prompts first, then generated tokens, each in packing order: a group's keys are
     written before its queries read them, so every token sees all of its sequence before it.
-    A group holding no sampled token still computes the LM head (the graph's output is logits).
+    The LM head runs on ``rows`` rows of every group: all of a group of generated tokens, and,
+    of a prompt group, the tokens it samples (the last of a prompt, or every one whose prompt
+    log-probabilities were asked for), a prompt group closing early rather than sample more.
     """
 
     def __init__(
@@ -316,29 +318,31 @@ class InvariantRows:
     ) -> None:
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
         self.rows, self.prompt_rows, self.max_blocks = rows, prompt_rows, max_blocks
-        self._steps: dict[tuple[int, int], StaticDecodeStep] = {}
+        self._steps: dict[tuple[int, int, int], StaticDecodeStep] = {}
 
-    def _step(self, rows: int, blocks: int) -> StaticDecodeStep:
+    def _step(self, rows: int, blocks: int, heads: int) -> StaticDecodeStep:
         # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
         # the blocks a row's length covers, so the width changes nothing in a row's sums
         nb = bucket(max(blocks, 2), max(self.max_blocks, 2))
-        if (rows, nb) not in self._steps:
-            self._steps[rows, nb] = StaticDecodeStep(self.cache, rows, nb, self.scratch_block)
-        return self._steps[rows, nb]
+        key = rows, nb, heads
+        if key not in self._steps:
+            self._steps[key] = StaticDecodeStep(self.cache, rows, nb, self.scratch_block, heads)
+        return self._steps[key]
 
     @torch.inference_mode()  # as the engine's steps run (a graph compiled here serves them)
-    def alike(self, rows: int, token: int = 1) -> bool | None:
+    def alike(self, rows: int, token: int = 1, heads: int = 0) -> bool | None:
         """Whether the graph computes every row of a ``rows``-row group alike: one token
         copied into every row (position 0, in the scratch block) must give every row the
-        same logits, bit for bit. None: the test says nothing (all its logits are equal).
+        same logits, bit for bit, with the LM head on ``heads`` of them (0: all). None: the
+        test says nothing (all its logits are equal).
 
         One shape is not enough by itself: a kernel may cut a product's rows into panels
         and take the last few with other code. MKL's float32 kernel for AVX2 does so for
         rows 30 and 31 of 32: a token's logits would depend on 31 sequences decoding."""
-        step = self._step(rows, 2)
-        s, scratch = self.scratch_block * self.cache.block_size, self.scratch_block
-        same = torch.full((rows,), token)
-        step.load(same, same * 0, same * 0 + s, torch.full((rows, 1), scratch))
+        heads = heads or rows
+        step, s = self._step(rows, 2, heads), self.scratch_block * self.cache.block_size
+        same, table = torch.full((rows,), token), torch.full((rows, 1), self.scratch_block)
+        step.load(same, same * 0, same * 0 + s, table, torch.arange(heads))
         logits = self.forward(step.ids, step.positions, step)
         if bool((logits[0] == logits[0, 0]).all()):
             return None
@@ -346,8 +350,9 @@ class InvariantRows:
 
     def settle(self) -> str | None:
         """Take the first sizes of ``ROW_CHOICES`` and ``PROMPT_CHOICES`` whose every row the
-        graph computes alike (:meth:`alike`). This runs the graph, so one compiled in memory
-        compiles here. None when found, else why not."""
+        graph computes alike (:meth:`alike`), a prompt group's with the LM head on all its
+        rows and on ``rows`` of them. This runs the graph, so one compiled in memory compiles
+        here. None when found, else why not."""
         first = token = None
         for token in (1, 2, 3):  # a token whose logits are all equal tells nothing
             if (first := self.alike(ROW_TILE, token)) is not None:
@@ -356,7 +361,10 @@ class InvariantRows:
             return None
         later = (n for n in ROW_CHOICES[1:] if self.alike(n, token))
         rows = ROW_TILE if first else next(later, None)
-        prompt = next((n for n in PROMPT_CHOICES if self.alike(n, token)), None)
+        prompt = next(
+            (n for n in PROMPT_CHOICES if self.alike(n, token) and self.alike(n, token, rows)),
+            None,
+        )
         if rows is None or prompt is None:
             return f"no group of {ROW_CHOICES} or {PROMPT_CHOICES} rows computes its rows alike"
         self.rows, self.prompt_rows = rows, prompt
@@ -385,22 +393,28 @@ class InvariantRows:
         tok = torch.as_tensor(list(ids), dtype=torch.long)
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         sel = torch.as_tensor(list(select), dtype=torch.long)
-        row_of = torch.full((total,), -1, dtype=torch.long)  # a token's row in its group
+        sampled = torch.zeros(total, dtype=torch.bool)
+        sampled[sel] = True
+        head_of = torch.full((total,), -1, dtype=torch.long)  # a sampled token's logits row
         out: torch.Tensor | None = None
         for route, n in ((prompt, self.prompt_rows), (~prompt, self.rows)):
             members = route.nonzero()[:, 0]
-            for g0 in range(0, len(members), n):
+            g0 = 0
+            while g0 < len(members):
                 m = members[g0 : g0 + n]
-                k = len(m)
-                step = self._step(n, int(pos[m].max()) // bs + 1)  # the rest: padding rows
-                step.load(tok[m], pos[m], slots[m], tables[m, : step.num_blocks])
+                # at most `rows` sampled tokens a group: close it before the next one
+                m = m[: int((sampled[m].cumsum(0) <= self.rows).sum())]
+                g0 += len(m)
+                heads = sampled[m].nonzero()[:, 0]  # rows of the group the LM head runs on
+                step = self._step(n, int(pos[m].max()) // bs + 1, self.rows)  # rest: padding
+                step.load(tok[m], pos[m], slots[m], tables[m, : step.num_blocks], heads)
                 logits = self.forward(step.ids, step.positions, step)
                 if out is None:
                     out = logits.new_empty(len(sel), logits.shape[-1])
-                row_of[m] = torch.arange(k)
+                head_of[m[heads]] = torch.arange(len(heads))
                 mine = torch.isin(sel, m)
                 if bool(mine.any()):
-                    out[mine] = logits[row_of[sel[mine]]]
+                    out[mine] = logits[head_of[sel[mine]]]
         if out is None:
             raise ValueError("InvariantRows.run: a step with no tokens")
         return out

@@ -225,8 +225,11 @@ def engine_forward(
     model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, step: Any
 ) -> torch.Tensor:
     """The batching engine's forward pass over one step: logits ``[rows, vocab]`` (what a
-    fixed-shape decode step runs, eagerly, compiled, or captured in a CUDA graph)."""
-    return model.logits(model.hidden(ids, positions, step)[0])
+    fixed-shape decode step runs, eagerly, compiled, or captured in a CUDA graph); for a step
+    with a ``heads`` buffer, only the rows it names, in its order."""
+    h = model.hidden(ids, positions, step)[0]
+    heads = getattr(step, "heads", None)
+    return model.logits(h if heads is None else h.index_select(0, heads))
 
 
 #: model -> its compiled engine step; every engine on the same model shares one
