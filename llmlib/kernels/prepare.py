@@ -331,7 +331,13 @@ def quantize_model(
     return model
 
 
-def row_tiled(model: nn.Module, tile: int, larger: tuple[int, ...] = ()) -> nn.Module:
+#: the row counts a batch-invariant product's last tile may be padded to (:func:`row_tiled`)
+TAILS = (2, 4, 8, 16, 32)
+
+
+def row_tiled(
+    model: nn.Module, tile: int, larger: tuple[int, ...] = (), tails: tuple[int, ...] = TAILS
+) -> nn.Module:
     """A view of ``model`` (its tensors shared, not copied, with one exception below) whose
     every weight product is taken ``tile`` rows at a time
     (:class:`~llmlib.kernels.weights.RowTiles`): what the batch-invariant engine runs, so a
@@ -344,13 +350,14 @@ def row_tiled(model: nn.Module, tile: int, larger: tuple[int, ...] = ()) -> nn.M
     for the view (it treats every row alike); bfloat16 matrices are multiplied plainly. And each
     kind of matrix (layout and shape) is checked once (:meth:`RowTiles.alike`): where ``tile``
     rows fail, the first of ``larger`` that passes is taken, and if none does, an error names
-    the matrix."""
+    the matrix. Then each of ``tails`` below the tile that gives a row the tile's bits may hold
+    a last, partial tile."""
     # shared, not copied: parameters, buffers, and tensors a module holds as a plain attribute
     # (Float32Weight's oneDNN copy: opaque, it has no storage that deepcopy could read)
     held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
     tensors = itertools.chain(model.parameters(), model.buffers(), held)
     view = copy.deepcopy(model, memo={id(t): t for t in tensors})
-    chosen: dict[tuple, int | None] = {}
+    chosen: dict[tuple, tuple[int, tuple[int, ...]] | None] = {}
     for name, mod in weight_matrices(view).items():
         w = mod.weight
         if isinstance(w, Bfloat16Weight):  # its widened product is not row-invariant: see there
@@ -360,13 +367,15 @@ def row_tiled(model: nn.Module, tile: int, larger: tuple[int, ...] = ()) -> nn.M
         inner = w if isinstance(w, PackedWeight) else w.detach()
         key = (type(inner), getattr(inner, "kind", ""), inner.dtype, tuple(inner.shape))
         if key not in chosen:  # one check per kind of matrix: the same kernel for each
-            chosen[key] = next((t for t in (tile, *larger) if RowTiles(inner, t).alike()), None)
+            t = next((t for t in (tile, *larger) if RowTiles(inner, t).alike()), None)
+            alike = [] if t is None else [s for s in tails if s < t and RowTiles(inner, t).alike(s)]
+            chosen[key] = None if t is None else (t, tuple(alike))
         if chosen[key] is None:
             raise ValueError(
                 f"batch-invariant view: no tile of {(tile, *larger)} rows multiplies {name} "
                 f"({key[1] or key[2]}, {key[3]}) with every row alike on this CPU"
             )
-        tiles = RowTiles(inner, chosen[key])
+        tiles = RowTiles(inner, *chosen[key])
         if isinstance(mod, TokenEmbedding):
             replace_module(view, name, PackedEmbedding(tiles, mod.scale))
         else:

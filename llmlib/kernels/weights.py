@@ -311,15 +311,24 @@ class RowTiles(PackedWeight):
     other tokens share its step. With the row count fixed it cannot: row ``i`` of a product
     depends only on row ``i`` of the input. The batch-invariant engine runs on a view of the
     model whose every product is wrapped so (:func:`llmlib.kernels.prepare.row_tiled`).
+
+    ``tails``: smaller row counts the last tile may be padded to instead, the first that holds
+    it, so a decode step of a few tokens pays for a few rows. Only counts the kernel computes
+    exactly as it does a whole tile belong there (the view checks each, :meth:`alike`).
     """
 
     kind = "row tiles"
 
-    def __init__(self, inner: torch.Tensor | PackedWeight, tile: int) -> None:
+    def __init__(
+        self, inner: torch.Tensor | PackedWeight, tile: int, tails: tuple[int, ...] = ()
+    ) -> None:
         if not isinstance(tile, int) or tile <= 0:
             raise ValueError(f"RowTiles: tile must be a positive integer, got {tile!r}")
+        if not all(0 < t < tile for t in tails):
+            raise ValueError(f"RowTiles: tails {tails} must be between 0 and the tile ({tile})")
         super().__init__(tuple(inner.shape))
         self.tile = tile
+        self.sizes = (*sorted(set(tails)), tile)  # what the last tile may be padded to
         if isinstance(inner, PackedWeight):
             self.inner = inner
         else:
@@ -349,18 +358,23 @@ class RowTiles(PackedWeight):
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)
         n, t = rows.shape[0], self.tile
-        padded = rows.new_zeros(-(-n // t) * t, k)
+        tail = n % t and next(s for s in self.sizes if s >= n % t)  # 0: whole tiles
+        padded = rows.new_zeros(n - n % t + tail, k)
         padded[:n] = rows
         out = torch.cat([self._product(padded[i : i + t], bias) for i in range(0, len(padded), t)])
         return out[:n].view(*lead, out.shape[-1])
 
-    def alike(self) -> bool:
+    def alike(self, rows: int = 0) -> bool:
         """Whether the kernel computes every row of a tile alike: one input row copied into every
         row must come out the same in each, bit for bit. A fixed shape does not promise it: a
         kernel may take the last rows of a panel with other code (MKL's float32 kernel for AVX2
-        does, for rows 30 and 31 of 32)."""
+        does, for rows 30 and 31 of 32). With ``rows``, a product of that many rows must also
+        give each of them the bits of a whole tile's row (MKL again: not below 48 rows)."""
         x = torch.randn(1, self.shape[1], generator=torch.Generator().manual_seed(0))
-        y = self._product(x.to(self.device, self.dtype).expand(self.tile, -1).contiguous(), None)
+        x = x.to(self.device, self.dtype)
+        y = self._product(x.expand(self.tile, -1).contiguous(), None)
+        if rows:
+            y = torch.cat([y[:1], self._product(x.expand(rows, -1).contiguous(), None)])
         return bool((y == y[:1]).all())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
