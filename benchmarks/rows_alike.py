@@ -13,7 +13,9 @@ sums would depend on the row it lands in.
 Part two, the engine: the book's model in float32 and bfloat16, ``LLM(path,
 batch_invariant=True)`` compiled from its package, and what
 :meth:`llmlib.engine.invariant.InvariantRows.alike` says of every group size it may try, with
-the sizes it took.
+the sizes it took. Then the same model eager (``compile=False``): the tile each kind of matrix
+takes in the batch-invariant view (:func:`llmlib.kernels.prepare.row_tiled`), and the smaller
+sizes its last tile may be padded to, where a row gets a whole tile's bits.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     from llmlib.device import machine_info
     from llmlib.engine.invariant import PROMPT_CHOICES, ROW_CHOICES
     from llmlib.kernels.flags import flags
+    from llmlib.kernels.prepare import weight_matrices
 
     torch.set_num_threads(args.threads)
     products = {}
@@ -71,6 +74,11 @@ def main() -> None:
                 "generated_rows": groups.rows,
                 "prompt_rows": groups.prompt_rows,
             }
+        eager = llmlib.LLM(path, dtype=dtype, batch_invariant=True, compile=False)
+        engines[name]["eager_tiles"] = {
+            f"{getattr(t.inner, 'kind', t.dtype)} {list(t.shape)}": list(t.sizes)
+            for t in (m.weight for m in weight_matrices(eager.runner.model).values())
+        }
         print(name, engines[name])
     record = {
         "machine": machine_info("cpu"),

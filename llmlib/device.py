@@ -61,14 +61,18 @@ def compiles_by_default(
     device: torch.device,
     speculative: Any = None,
     tensor_parallel: bool = False,
+    batch_invariant: bool = False,
 ) -> bool:
     """Whether a decode step is compiled when ``compile`` is left out (``LLM``, ``llmlib generate``,
     ``chat``, ``serve``): for a checkpoint (a path, or None for the default file) on a CPU, where
     the compiled step is kept on disk keyed by the file, so only a machine's first start pays for
     compiling. A model built in memory stays as built (its step would compile again at every
     start), and so do the modes that run steps of their own (speculation, tensor parallelism).
-    The batch-invariant mode compiles too: its fixed-shape groups
-    (:class:`llmlib.engine.invariant.InvariantRows`) outrun its eager steps.
+    The batch-invariant mode compiles too, where its fixed-shape groups
+    (:class:`llmlib.engine.invariant.InvariantRows`) outrun its eager steps: with the AVX-512
+    build (``invariant_compile``). Below it a graph's float32 products are MKL's, whose groups
+    under 48 rows give a row other bits, while the eager steps take oneDNN's products, padded
+    to a few rows (``results/cpu/batching_invariant_as_avx2.json``).
     ``LLMLIB_COMPILE=0`` turns the default off (:mod:`llmlib.kernels.flags`)."""
     return (
         flags().compile_default
@@ -76,6 +80,7 @@ def compiles_by_default(
         and device.type == "cpu"
         and speculative is None
         and not tensor_parallel
+        and (flags().invariant_compile or not batch_invariant)
     )
 
 

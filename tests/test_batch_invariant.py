@@ -153,8 +153,12 @@ def test_serve_compiles_by_default_on_a_cpu_except_with_speculation(kwargs_of):
     with forced(compile_default=False):  # LLMLIB_COMPILE=0
         assert _serve_kwargs(kwargs_of, [])["compile"] is False
         assert _serve_kwargs(kwargs_of, ["--compile"])["compile"] is True
-    with forced(compile_default=True):
+    with forced(compile_default=True, invariant_compile=True):
         _serves_compiled_by_default(kwargs_of)
+    with forced(compile_default=True, invariant_compile=False):  # an AVX2-only CPU
+        assert _serve_kwargs(kwargs_of, ["--batch-invariant"])["compile"] is False
+        assert _serve_kwargs(kwargs_of, ["--batch-invariant", "--compile"])["compile"] is True
+        assert _serve_kwargs(kwargs_of, [])["compile"] is True
 
 
 def _serves_compiled_by_default(kwargs_of):

@@ -35,6 +35,22 @@ def test_a_path_on_a_cpu_compiles_by_default():
         assert not compiles_by_default("m.gguf", CPU)
 
 
+def test_the_batch_invariant_mode_compiles_by_default_where_its_groups_are_faster():
+    """With the AVX-512 build its compiled groups outran its eager steps; below it, not
+    (``results/cpu/batching_invariant_as_avx2.json``). ``LLMLIB_INVARIANT_COMPILE`` forces it."""
+    cpu = read(env={}).cpu_flags
+    for flags_, want in ((cpu | {"avx512f", "avx512bw", "avx512vl"}, True), ({"avx2"}, False)):
+        f = read(env={}, cpu=("AuthenticAMD", frozenset(flags_ | {"avx2", "fma", "f16c"})))
+        assert f.invariant_compile is want
+    assert read(env={"LLMLIB_INVARIANT_COMPILE": "0"}).invariant_compile is False
+    with pytest.raises(ValueError, match="LLMLIB_INVARIANT_COMPILE"):
+        read(env={"LLMLIB_INVARIANT_COMPILE": "fast"})
+    for on in (True, False):
+        with forced(compile_default=True, invariant_compile=on):
+            assert compiles_by_default("m.gguf", CPU, batch_invariant=True) is on
+            assert compiles_by_default("m.gguf", CPU)  # the default engine compiles either way
+
+
 @pytest.mark.parametrize(
     "argv, env_default, want",
     [

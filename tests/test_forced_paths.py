@@ -309,7 +309,7 @@ def test_a_class_of_cpu_is_run_as_its_own_choices() -> None:
     f = read(env=env)
     assert (f.as_cpu, f.vendor, f.isa, f.integer) == ("avx2", "AuthenticAMD", "avx2", "avx2")
     assert f.matvec and f.onednn_float32 and not f.onednn_bfloat16 and not f.fused_norm
-    assert f.activations == "float32" and not f.native_bf16
+    assert f.activations == "float32" and not f.native_bf16 and not f.invariant_compile
     with pytest.raises(ValueError, match="ATEN_CPU_CAPABILITY=avx2"):
         read(env={k: v for k, v in env.items() if k != "ATEN_CPU_CAPABILITY"})
     with pytest.raises(ValueError, match="lacks avx512_bf16"):
@@ -321,6 +321,7 @@ def test_a_class_of_cpu_is_run_as_its_own_choices() -> None:
     )
     assert (zen4.isa, zen4.integer, zen4.activations) == ("avx512", "vnni", "bfloat16")
     assert zen4.onednn_bfloat16 and zen4.matvec and "amx_tile" not in zen4.cpu_flags
+    assert zen4.invariant_compile
 
 
 @pytest.mark.parametrize("name", list(CLASSES))

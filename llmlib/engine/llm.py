@@ -116,7 +116,7 @@ class LLM:
             p = next(model_obj.parameters())
             if compile is None:
                 tp, spec = self._tp is not None, speculative_config
-                compile = compiles_by_default(model, p.device, spec, tp)
+                compile = compiles_by_default(model, p.device, spec, tp, batch_invariant)
             # the KV pool is held in the model's (activations') dtype, whatever the weights are in
             self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
             if not isinstance(block_size, int) or block_size <= 0:

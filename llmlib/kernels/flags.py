@@ -33,6 +33,9 @@ variable                    values                 what it decides (default)
 ``LLMLIB_COMPILE``          ``0``, ``1``           ``LLM(path)``, ``llmlib generate``, ``chat`` and
                                                    ``serve`` compile their CPU decode steps unless
                                                    told not to (``1``); ``0``: eager unless asked
+``LLMLIB_INVARIANT_COMPILE``  ``0``, ``1``         the batch-invariant mode compiles its groups
+                                                   by default too (with the AVX-512 build; below
+                                                   it the eager steps are faster)
 ``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             how long tensor-parallel ranks may take to
                                                    start (600)
 ``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
@@ -125,6 +128,7 @@ class Flags:
     fused_norm: bool  # RMSNorm in C++ (needs the AVX-512 build)
     paged_kernel: bool  # decode attention by llmlib's kernel
     activations: str  # the dtype int8/int4/gguf models compute in: "float32" or "bfloat16"
+    invariant_compile: bool  # the batch-invariant mode compiles by default, as the default does
     # ---- not about the CPU ----
     cache: Path  # where fetched models live
     compile_default: bool = True  # LLM(path) and the CLI compile their CPU decode steps
@@ -155,7 +159,8 @@ class Flags:
             f"onednn_float32={int(self.onednn_float32)} "
             f"onednn_bfloat16={int(self.onednn_bfloat16)} "
             f"bfloat16_widen={int(self.bfloat16_widen)} fused_norm={int(self.fused_norm)} "
-            f"paged_kernel={int(self.paged_kernel)} activations={self.activations}"
+            f"paged_kernel={int(self.paged_kernel)} activations={self.activations} "
+            f"invariant_compile={int(self.invariant_compile)}"
         )
 
     def as_env(self) -> dict[str, str]:
@@ -170,6 +175,7 @@ class Flags:
             "LLMLIB_FUSED_NORM": str(int(self.fused_norm)),
             "LLMLIB_PAGED_KERNEL": str(int(self.paged_kernel)),
             "LLMLIB_ACTIVATIONS": self.activations,
+            "LLMLIB_INVARIANT_COMPILE": str(int(self.invariant_compile)),
         }
 
 
@@ -244,6 +250,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
     onednn16 = _switch(env, "LLMLIB_ONEDNN_BFLOAT16")
     widen16 = _switch(env, "LLMLIB_BFLOAT16_WIDEN")
     acts = _choice(env, "LLMLIB_ACTIVATIONS", ACTIVATIONS)
+    inv_compile = _switch(env, "LLMLIB_INVARIANT_COMPILE")
     timeout = env.get("LLMLIB_TP_STARTUP_TIMEOUT")
     try:
         tp_timeout = 600.0 if not timeout else float(timeout)
@@ -262,6 +269,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         fused_norm=(True if fused is None else fused) and isa == "avx512",
         paged_kernel=(True if paged is None else paged) and isa != "none",
         activations=acts or ("bfloat16" if native_bf16 else "float32"),
+        invariant_compile=isa == "avx512" if inv_compile is None else inv_compile,
         cache=Path(cache).expanduser(),
         tp_startup_timeout=tp_timeout,
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
@@ -367,6 +375,8 @@ def _implied(isa: str, best: Flags) -> dict[str, object]:
         changes["fused_norm"] = False
     if isa == "avx2" and not best.bfloat16_widen:
         changes["bfloat16_widen"] = True
+    if isa != "avx512":
+        changes["invariant_compile"] = False
     if isa == "none":
         changes.update(matvec=False, paged_kernel=False)
     return changes

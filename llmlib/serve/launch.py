@@ -107,7 +107,7 @@ def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
     from llmlib.device import compiles_by_default, pick_device
 
     device, tp = pick_device(args.device), args.tensor_parallel_size > 1
-    return compiles_by_default(args.model, device, spec, tp)
+    return compiles_by_default(args.model, device, spec, tp, args.batch_invariant)
 
 
 def main(argv: list[str] | None = None) -> int:
