@@ -69,10 +69,11 @@ def compiles_by_default(
     compiling. A model built in memory stays as built (its step would compile again at every
     start), and so do the modes that run steps of their own (speculation, tensor parallelism).
     The batch-invariant mode compiles too, where its fixed-shape groups
-    (:class:`llmlib.engine.invariant.InvariantRows`) outrun its eager steps: with the AVX-512
-    build (``invariant_compile``). Below it a graph's float32 products are MKL's, whose groups
-    under 48 rows give a row other bits, while the eager steps take oneDNN's products, padded
-    to a few rows (``results/cpu/batching_invariant_as_avx2.json``).
+    (:class:`llmlib.engine.invariant.InvariantRows`) outrun its eager steps: on a CPU with AMX
+    (``invariant_compile``). Without AMX its eager steps kept up or won: held to AVX2 a graph's
+    float32 products are MKL's, whose groups under 48 rows give a row other bits, while the
+    eager steps take oneDNN's products, a short tile padded to a few rows
+    (``results/cpu/batching_invariant_as_avx2.json``, ``batching_invariant_as_zen4.json``).
     ``LLMLIB_COMPILE=0`` turns the default off (:mod:`llmlib.kernels.flags`)."""
     return (
         flags().compile_default

@@ -101,7 +101,8 @@ def test_the_engines_step_compiled_once_then_loaded(model_file, tmp_path) -> Non
 
 
 def _batch_invariant_groups_through_the_same_package(model_file, tmp_path, prompts) -> None:
-    """``LLM(path, batch_invariant=True)`` compiles by default, through the engine's own package
+    """``LLM(path, batch_invariant=True)`` compiles by default (where the CPU has AMX: forced
+    here, so a run as another class checks the groups too), through the engine's own package
     (its groups are two fixed row counts of the same graph): it loads the package the default
     engine stored. A request's log-probabilities are bitwise the same alone and in a batch. A
     next turn (the prompt and its answer, continued) reads the same keys alone and after the
@@ -111,7 +112,7 @@ def _batch_invariant_groups_through_the_same_package(model_file, tmp_path, promp
 
     params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, dtype="float32")
-    with forced(cache=tmp_path, compile_default=True):
+    with forced(cache=tmp_path, compile_default=True, invariant_compile=True):
         first = llmlib.LLM(model_file, Tok(), batch_invariant=True, **kw)
         assert first.runner.decode_path == "compiled (from the cache)" and first.runner.rows
         assert len(list((tmp_path / "compiled").glob("engine-heads-bs4-*.pt2"))) == 1

@@ -35,8 +35,8 @@ invariant that treats every row of a tile alike, which the view checks for each 
 (:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. What it costs,
 ``llmlib bench batching --batch-invariant`` measures against the default mode in the same run.
 
-Compiled (``LLM(path, batch_invariant=True)`` on a CPU by default, as the default engine is;
-``compile=False`` keeps the steps above), the mode holds the shapes still instead
+Compiled (``LLM(path, batch_invariant=True)`` by default on a CPU with AMX, see
+:func:`~llmlib.device.compiles_by_default`), the mode holds the shapes still instead
 (:class:`InvariantRows`): every token of a step is one row of a group of exactly
 ``PROMPT_TILE`` rows (a prompt's tokens) or ``ROW_TILE`` rows (generated ones), run through the
 engine's compiled step. A compiled graph picks its own kernels and fuses operators as it likes,

@@ -34,8 +34,8 @@ variable                    values                 what it decides (default)
                                                    ``serve`` compile their CPU decode steps unless
                                                    told not to (``1``); ``0``: eager unless asked
 ``LLMLIB_INVARIANT_COMPILE``  ``0``, ``1``         the batch-invariant mode compiles its groups
-                                                   by default too (with the AVX-512 build; below
-                                                   it the eager steps are faster)
+                                                   by default too (where the CPU has AMX; without
+                                                   it the eager steps were as fast or faster)
 ``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             how long tensor-parallel ranks may take to
                                                    start (600)
 ``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
@@ -153,14 +153,14 @@ class Flags:
         return "avx512_vnni" in self.cpu_flags
 
     def describe(self) -> str:
-        """One line for logs and benchmark records."""
+        """One line for logs and benchmark records: the kernels' choices, which also key a
+        compiled package (:func:`llmlib.runtime.aot.step_key`)."""
         return (
             f"isa={self.isa} integer={self.integer} matvec={int(self.matvec)} "
             f"onednn_float32={int(self.onednn_float32)} "
             f"onednn_bfloat16={int(self.onednn_bfloat16)} "
             f"bfloat16_widen={int(self.bfloat16_widen)} fused_norm={int(self.fused_norm)} "
-            f"paged_kernel={int(self.paged_kernel)} activations={self.activations} "
-            f"invariant_compile={int(self.invariant_compile)}"
+            f"paged_kernel={int(self.paged_kernel)} activations={self.activations}"
         )
 
     def as_env(self) -> dict[str, str]:
@@ -269,7 +269,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         fused_norm=(True if fused is None else fused) and isa == "avx512",
         paged_kernel=(True if paged is None else paged) and isa != "none",
         activations=acts or ("bfloat16" if native_bf16 else "float32"),
-        invariant_compile=isa == "avx512" if inv_compile is None else inv_compile,
+        invariant_compile="amx_bf16" in cflags if inv_compile is None else inv_compile,
         cache=Path(cache).expanduser(),
         tp_startup_timeout=tp_timeout,
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
