@@ -369,7 +369,8 @@ class RowTiles(PackedWeight):
         row must come out the same in each, bit for bit. A fixed shape does not promise it: a
         kernel may take the last rows of a panel with other code (MKL's float32 kernel for AVX2
         does, for rows 30 and 31 of 32). With ``rows``, a product of that many rows must also
-        give each of them the bits of a whole tile's row (MKL again: not below 48 rows)."""
+        give each of them the bits of a whole tile's row: a kernel may take small products with
+        other code (MKL's float32 kernels do, for some sizes and shapes)."""
         x = torch.randn(1, self.shape[1], generator=torch.Generator().manual_seed(0))
         x = x.to(self.device, self.dtype)
         y = self._product(x.expand(self.tile, -1).contiguous(), None)
