@@ -13,9 +13,9 @@ logits (Going further 3 measures by how much, :mod:`llmlib.analysis.invariance`)
 recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant
 mode:
 
-* weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded
-  (:func:`llmlib.kernels.prepare.row_tiled`): the kernel always sees the same shape, and row ``i``
-  of a product depends only on row ``i`` of its input;
+* weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded (the last tile to a
+  size checked to give a whole tile's bits, :func:`llmlib.kernels.prepare.row_tiled`), and row
+  ``i`` of a product depends only on row ``i`` of its input;
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
 * attention (:class:`InvariantStep`), where the paged kernel runs
   (:mod:`llmlib.kernels.paged_attention`), takes each query on its own: its keys, from its window's
