@@ -119,7 +119,8 @@ Codes = ChannelCodes | GroupCodes
 def quantize_int8(w: torch.Tensor) -> ChannelCodes:
     """Symmetric int8 per output channel: ``scale = max|w[n]| / 127``, ``q = round(w / scale)``."""
     w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    top = torch.maximum(w.amax(dim=1), -w.amin(dim=1))  # max|w|, without a copy of |w|
+    scale = top.clamp_(min=1e-12) / 127.0
     steps = w / scale[:, None]  # one float32 temporary, rounded and clamped in place
     q = steps.round_().clamp_(-127, 127).to(torch.int8)
     return ChannelCodes(q, scale)

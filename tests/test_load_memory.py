@@ -108,3 +108,25 @@ def test_the_kv_pool_is_sized_from_the_memory_left(monkeypatch) -> None:
         monkeypatch.setattr("llmlib.device.free_memory", lambda device=None, left=left: left)
         n = default_num_blocks(cfg, cpu, torch.float32, 16, 8192, 64, None)
         assert want - per_block < n * per_block <= want, (left, n)
+
+
+def test_a_trim_waits_for_enough_freed_bytes(monkeypatch) -> None:
+    """Trimming after every small slice cost more than packing it; the loader now trims once
+    :data:`TRIM_EVERY` bytes of matrices have passed, and always at the end of a load. (The
+    peaks above check that this still bounds the memory a load holds.)"""
+    from types import SimpleNamespace
+
+    from llmlib.kernels import stream
+
+    calls = []
+    fake = SimpleNamespace(malloc_trim=calls.append)
+    monkeypatch.setattr(stream, "_libc", lambda: fake)
+    monkeypatch.setattr(stream, "_handled", 0)
+    stream.give_back_freed_memory(stream.TRIM_EVERY // 2)
+    assert calls == []
+    stream.give_back_freed_memory(stream.TRIM_EVERY // 2)
+    assert calls == [0]
+    stream.give_back_freed_memory(1)
+    assert calls == [0]
+    stream.give_back_freed_memory()  # the end of a load
+    assert calls == [0, 0]

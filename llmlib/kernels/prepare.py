@@ -241,9 +241,12 @@ def prepare(
                 continue
         packed = pack_matrix(name, src, fmt, describe, slots.get(name))
         del src
+        size = 4 * mod.weight.numel()  # its float32 size: what its temporaries take
         _install(model, name, mod, packed)
         if fmt.device.type == "cpu":
-            give_back_freed_memory()
+            give_back_freed_memory(size)
+    if fmt.device.type == "cpu":
+        give_back_freed_memory()
     _fuse_norms(model, fmt)
     model.weight_format = format_name(model, fmt)
     return model

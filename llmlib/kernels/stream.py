@@ -103,14 +103,19 @@ def assemble(
             filled.add(i, part.shape[0], integer.pack(part, fmt.dtype))
         else:
             codes.append(part)
+        if fmt.device.type == "cpu":  # a slice's temporaries, before the next slice's
+            give_back_freed_memory(_float_bytes(part))
         del part
-        if fmt.device.type == "cpu":
-            give_back_freed_memory()  # a slice's temporaries, before the next slice's
     if filled is not None:
         return filled.result()
     if not codes:
         return out
     return codes[0] if len(codes) == 1 else type(codes[0]).cat(codes)
+
+
+def _float_bytes(part: Any) -> int:
+    """What a slice of rows takes in float32, the size of the temporaries it leaves behind."""
+    return 4 * part.shape[0] * part.shape[-1]
 
 
 def _packs_whole(part: Codes, shape: tuple[int, int], fmt: Any) -> bool:
@@ -123,10 +128,23 @@ def _packs_whole(part: Codes, shape: tuple[int, int], fmt: Any) -> bool:
     return part.bits in (4, 8) and integer.fits(shape, part.group_size, bits=part.bits)
 
 
-def give_back_freed_memory() -> None:
-    """Hand memory freed since the last matrix back to the system (glibc keeps freed blocks of
-    a few MB for reuse, and one matrix's temporaries, freed, would otherwise add up to several
-    times the model while it loads)."""
+#: bytes of matrices handled between two trims: a trim costs more than a small matrix's own
+#: work (it walks the heap, and the pages it hands back fault in again on the next slice)
+TRIM_EVERY = 16 << 20
+_handled = 0
+
+
+def give_back_freed_memory(nbytes: int | None = None) -> None:
+    """Hand memory freed since the last trim back to the system (glibc keeps freed blocks of a
+    few MB for reuse, and the temporaries of many matrices, freed, would otherwise add up to
+    several times the model while it loads). ``nbytes``: the size of what was just handled;
+    the trim then waits until :data:`TRIM_EVERY` bytes have passed (None: trim now)."""
+    global _handled
+    if nbytes is not None:
+        _handled += nbytes
+        if _handled < TRIM_EVERY:
+            return
+    _handled = 0
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
