@@ -14,6 +14,7 @@ n_dims, ggml type u32, offset u64); then padding to ``general.alignment`` and th
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,24 +87,41 @@ class TensorInfo:
         return GGML_TYPES.get(self.ggml_type, (f"type {self.ggml_type}",))[0]
 
 
+#: the last files' parsed headers, by path and stat (inode, size, times): loading a model reads
+#: one header for its config, its tensors and its tokenizer, and the vocabulary is most of it
+_HEADERS: dict[tuple, tuple] = {}
+_KEEP = 2
+
+
 class GGUFFile:
-    """An opened GGUF file: ``metadata`` (dict), ``tensors`` (name -> :class:`TensorInfo`), raw bytes."""
+    """An opened GGUF file: ``metadata`` (dict), ``tensors`` (name -> :class:`TensorInfo`), raw bytes.
+
+    A file opened again, unchanged, takes its header from the last parse (``metadata`` is
+    then shared: read it, never change it)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"no GGUF file at {self.path}")
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
             try:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError as e:  # empty file
                 raise GGUFFormatError(f"{self.path}: empty file, not GGUF") from e
         self._buf = memoryview(self._mm)
         self._pos = 0
+        key = (str(self.path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key in _HEADERS:
+            self.version, self.metadata, self.tensors, self.data_offset = _HEADERS[key]
+            return
         try:
             self._parse()
         except (struct.error, IndexError, UnicodeDecodeError) as e:
             raise GGUFFormatError(f"{self.path}: truncated or corrupt GGUF header ({e})") from e
+        _HEADERS[key] = (self.version, self.metadata, self.tensors, self.data_offset)
+        while len(_HEADERS) > _KEEP:
+            del _HEADERS[next(iter(_HEADERS))]
 
     # -- low-level readers ------------------------------------------------------------------
     def _unpack(self, fmt: str) -> Any:

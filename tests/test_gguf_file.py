@@ -85,3 +85,23 @@ def test_not_gguf(tmp_path: Path) -> None:
     (tmp_path / "empty.gguf").write_bytes(b"")
     with pytest.raises(GGUFFormatError):
         read_gguf_file(tmp_path / "empty.gguf")
+
+
+def test_an_unchanged_file_is_parsed_once(tmp_path: Path, monkeypatch) -> None:
+    """Loading a model opens its file for the config, the tensors and the tokenizer: the header
+    is parsed the first time only, unless the file changed since."""
+    from llmlib import gguf_file
+
+    parses = []
+    parse = gguf_file.GGUFFile._parse
+    monkeypatch.setattr(gguf_file.GGUFFile, "_parse", lambda self: parses.append(1) or parse(self))
+    p = tmp_path / "small.gguf"
+    _write_small(p)
+    first, second = read_gguf_file(p), read_gguf_file(p)
+    assert len(parses) == 1 and second.metadata == first.metadata
+    assert np.array_equal(second.raw("x").view(np.float32), np.arange(64, dtype=np.float32))
+    data = p.read_bytes()
+    p.write_bytes(data[:-100])  # changed: parsed again, and its truncation is seen
+    with pytest.raises(GGUFFormatError, match="'x'.*truncated"):
+        read_gguf_file(p).raw("x")
+    assert len(parses) == 2
