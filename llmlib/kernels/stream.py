@@ -103,9 +103,10 @@ def assemble(
             filled.add(i, part.shape[0], integer.pack(part, fmt.dtype))
         else:
             codes.append(part)
-        if fmt.device.type == "cpu":  # a slice's temporaries, before the next slice's
-            give_back_freed_memory(_float_bytes(part))
+        size = _float_bytes(part)
         del part
+        if fmt.device.type == "cpu":  # a slice's temporaries, before the next slice's
+            give_back_freed_memory(size)
     if filled is not None:
         return filled.result()
     if not codes:
