@@ -55,7 +55,7 @@ from llmlib.analysis import roofline  # noqa: E402
 from llmlib.analysis.roofline import measure_bandwidth  # noqa: E402
 from llmlib.config import ModelConfig, get_config  # noqa: E402
 from llmlib.device import Timer, choose, machine_info, synchronize  # noqa: E402
-from llmlib.runtime.static import GraphedDecoder, StaticKVCache  # noqa: E402
+from llmlib.sampling import SamplingParams  # noqa: E402
 
 SCHEMA = "llmlib.gpu_check/1"
 
@@ -145,43 +145,42 @@ def to_transformers(model: Any):
 # ---- batch-1 decode timing ---------------------------------------------------------------------------
 
 
-@torch.inference_mode()
 def time_llmlib_decode(
     model: Any, prompt: torch.Tensor, new_tokens: int, use_graphs: bool, reps: int
 ) -> dict:
-    """Median prefill time and decode time per token at batch 1, greedy, with a static cache.
+    """Median prefill time and decode time per token at batch 1, greedy: the product path, the
+    batching engine with one sequence (its all-decode steps replayed from CUDA graphs with
+    ``use_graphs``). The graphs are captured once, outside the timing; every step's sampled token
+    is read on the host, so the step times are the GPU's."""
+    from llmlib.engine import LLM
 
-    The graphs are captured once, outside the timing; each repetition re-runs the prefill into the
-    same cache (the mask hides whatever the last repetition left beyond the current position).
-    """
-    dev, t = prompt.device, prompt.shape[1]
-    cache = StaticKVCache(model.config, 1, t + new_tokens, device=dev, dtype=model.dtype)
+    t = prompt.shape[1]
+    blocks = -(-(t + new_tokens) // 16) + 1
+    llm = LLM(
+        model, None, max_num_seqs=1, num_blocks=blocks, block_size=16, cuda_graphs=use_graphs,
+        compile=False, max_model_len=t + new_tokens,
+    )  # fmt: skip
     t0 = time.perf_counter()
-    dec = GraphedDecoder(model, cache, (1,), enabled=use_graphs).capture()
+    captured = llm.capture_graphs(1, t + new_tokens)
     capture_s = time.perf_counter() - t0
-    positions = torch.arange(t, device=dev)[None]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ids = prompt[0].tolist()
     prefill, decode, tokens = [], [], None
     for r in range(reps + 1):  # the first repetition warms up (allocator, cuBLAS heuristics)
-        with Timer(dev) as tp:
-            nxt = model(prompt, positions, cache)[:, -1].argmax(-1, keepdim=True)
-        out = [nxt]
-        pos = torch.full((1, 1), t, dtype=torch.long, device=dev)
-        with Timer(dev) as td:
-            for _ in range(new_tokens - 1):
-                nxt = dec(nxt, pos)[:, -1].argmax(-1, keepdim=True)
-                out.append(nxt)
-                pos += 1
+        out = llm.generate([ids], params, use_tqdm=False)[0]
+        m = out.metrics
         if r:
-            prefill.append(tp.seconds)
-            decode.append(td.seconds / (new_tokens - 1))
-        tokens = torch.cat(out, 1)[0].tolist()
+            prefill.append(m.time_to_first_token)
+            decode.append((m.finished_time - m.first_token_time) / (new_tokens - 1))
+        tokens = out.token_ids
     p, d = statistics.median(prefill), statistics.median(decode)
+    graphs = llm.runner.graphs
     return {
         "prefill_s": p,
         "decode_s_per_token": d,
         "decode_tok_s": 1 / d,
         "tok_s": new_tokens / (p + d * (new_tokens - 1)),
-        "graphs": bool(dec.enabled and dec.graphs),
+        "graphs": bool(use_graphs and captured and graphs is not None and graphs.replays > 0),
         "capture_s": capture_s,
         "tokens": tokens,
     }

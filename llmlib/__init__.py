@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "load_model": "llmlib.checkpoints",
     "Generator": "llmlib.generate",
     "LLM": "llmlib.engine",
+    "EngineConfig": "llmlib.engine",
     "AsyncLLM": "llmlib.engine",
     "SamplingParams": "llmlib.sampling",
     "perplexity": "llmlib.perplexity",

@@ -2,31 +2,35 @@
 
 ``Generator(model, tokenizer)`` serves one request at a time with a static KV cache (chapter 8) and
 the samplers of chapter 7. Prefill runs the whole prompt through the model in one pass and fills the
-cache; each decode step feeds back only the token just chosen. Generation ends at an end-of-sequence
-token, at a stop string, or after ``max_tokens``; the result says which (``stop`` or ``length``)
-and carries the timings of every step.
+cache; each decode step feeds back only the token just chosen. Generation ends at an end token, at a
+stop string, at a finished grammar, or after ``max_tokens``; the result says which (``stop`` or
+``length``) and carries the timings of every step.
 
-A request is the same :class:`~llmlib.sampling.SamplingParams` the batching engine takes; the
-prompt goes through the same preparation (:mod:`llmlib.prompts`: chat template, BOS, end tokens)
-and the tokens back through the same text pipeline (:class:`llmlib.text.TextStream`: UTF-8 across
-tokens, stop strings, held-back text) as in the engine and the server.
+It is the book's loop, eager and readable in one sitting: what ``llmlib generate`` runs is the
+batching engine with one sequence (:class:`llmlib.LLM`, fixed-shape steps, compiled where that
+pays). The two share everything around the loop: a request is the same
+:class:`~llmlib.sampling.SamplingParams`, the prompt goes through the same preparation
+(:mod:`llmlib.prompts`), the same checks decide whether it fits and when it ends, and what it may
+not sample before then (:mod:`llmlib.engine.stopping`), and the tokens come back through the same
+text pipeline (:class:`llmlib.text.TextStream`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmlib.engine.sequence import Sequence
+from llmlib.engine.stopping import check_length, constrain, take
 from llmlib.kernels.prepare import Format, prepare
 from llmlib.model.kv_cache import KVCache
 from llmlib.prompts import Message, Prompt, chat_text, encode_prompt, eos_token_ids
-from llmlib.runtime.compile import compile_decode
-from llmlib.runtime.static import StaticKVCache
 from llmlib.sampling import SamplingParams, sample
 from llmlib.speculative import SpecStats, SpeculativeConfig, Speculator
 from llmlib.text import TextStream
@@ -98,13 +102,10 @@ class Generator:
     :func:`llmlib.load_model` already does this, so for a loaded model nothing changes);
     ``decode_layout=False`` leaves the model untouched.
 
-    ``compile=True`` hands the decode step to ``torch.compile`` (:func:`llmlib.runtime.compile.compile_decode`).
-    On the CPU, a bfloat16 model's oneDNN-blocked matrices then go back to plain ones, which a
-    frozen graph packs for itself: the compiling Generator owns its model's layout.
-
     ``speculative`` (a :class:`~llmlib.speculative.SpeculativeConfig`) turns on speculative
     decoding: the output is the same (greedy) or has the same distribution (sampling); requests
-    with penalties or a logit bias decode plainly.
+    with penalties, a grammar or ``min_tokens`` decode plainly. What the loop does not do (``n``
+    choices, log-probabilities) the batching engine does: such a request is refused, by name.
     """
 
     def __init__(
@@ -113,7 +114,6 @@ class Generator:
         tokenizer: Any,
         max_len: int | None = None,
         decode_layout: bool | None = None,
-        compile: bool = False,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
@@ -127,43 +127,15 @@ class Generator:
         self.max_len = min(self.config.max_seq_len, max_len or self.config.max_seq_len)
         self.eos_ids = eos_token_ids(self.config, tokenizer)
         self._cache: KVCache | None = None
+        self._grammars: Any = None  # llmlib.structured.Grammars, made on the first json_schema
         # positions 0..max_len-1 once; each step takes a view instead of building a tensor
         self._positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         self.last_result: GenerationResult | None = None
-        # The decode step: eager (the reference the book reads), or compiled (inductor fuses each
-        # layer's small operators into a few C++/Triton kernels). A model loaded from a file, on a
-        # CPU, in float32 or bfloat16, compiles ahead of time once per machine and loads the
-        # compiled step from disk on every later start (llmlib.runtime.aot); otherwise
-        # torch.compile compiles it in memory, lazily, on the first request
-        # (llmlib.runtime.compile). ``compile_s`` is what compiling cost this process;
-        # ``decode_path`` says which step runs.
-        self.compile = bool(compile)
-        self._step = decode_step
-        self.compile_s: float | None = None
-        self.decode_path = "eager"
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
                 f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
             )
-        if speculative is not None and self.compile:
-            raise ValueError("speculative decoding runs eagerly: pass compile=False")
-        if self.compile:  # after the checks: compile_decode may re-store the model's matrices
-            self._step, self.decode_path = self._compiled_step(model)
         self.speculator = Speculator(speculative, model) if speculative is not None else None
-
-    def _compiled_step(self, model: torch.nn.Module) -> tuple[Any, str]:
-        from llmlib.runtime import aot
-
-        # on the CPU, from a package on disk: code only (float32, or int8/int4 codes that the
-        # integer kernels read as extern calls), or frozen (all-bfloat16); in memory otherwise
-        if self.device.type == "cpu":
-            t0 = time.perf_counter()
-            step, cached = aot.load_decode_step(model, log=aot.print_progress)
-            if step is not None:
-                if not cached:
-                    self.compile_s = time.perf_counter() - t0
-                return step, "compiled (from the cache)" if cached else "compiled (now, cached)"
-        return compile_decode(decode_step, model), "compiled (in memory)"
 
     @property
     def weight_format(self) -> str:
@@ -171,16 +143,13 @@ class Generator:
         return getattr(self.model, "weight_format", str(self.dtype).removeprefix("torch."))
 
     def warmup(self) -> float:
-        """Run (and, compiled, compile) the decode step on a throwaway cache; return seconds."""
+        """Run a throwaway request (the first calls allocate caches and pick kernels); seconds."""
         t0 = time.perf_counter()
         self.generate([1, 2], max_new_tokens=3, ignore_eos=True)
-        dt = time.perf_counter() - t0
-        if self.decode_path == "compiled (in memory)" and self.compile_s is None:
-            self.compile_s = dt
-        return dt
+        return time.perf_counter() - t0
 
     # -- prompts --
-    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Seq[Message], add_generation_prompt: bool = True) -> str:
         """The text the model sees for a conversation, from the tokenizer's own chat template."""
         return chat_text(self.tokenizer, messages, add_generation_prompt)
 
@@ -188,69 +157,76 @@ class Generator:
         """Prompt text (str), a conversation (list of messages) or ready token ids -> (text, ids)."""
         return encode_prompt(self.tokenizer, prompt, chat=chat)
 
-    def _cache_for(self, tokens: int) -> KVCache | StaticKVCache:
+    def _cache_for(self, tokens: int) -> KVCache:
         # Reuse the cache while it is big enough; otherwise allocate one rounded up to 256 tokens
         # (capped at the context) so a slightly longer next request does not reallocate.
         if self._cache is None or self._cache.max_len < tokens:
             size = min(self.max_len, -(-tokens // 256) * 256)
             self._cache = None  # free the old one first
-            if self.compile:
-                # fixed shapes for the compiled step: every step attends over all the slots under
-                # a mask built from the positions tensor, so no Python length changes a shape
-                # (a changing one would recompile the graph)
-                self._cache = StaticKVCache(self.config, 1, size, self.device, self.dtype)
-            else:
-                self._cache = KVCache.from_config(
-                    self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
-                )
-        if isinstance(self._cache, KVCache):
-            self._cache.reset()
+            self._cache = KVCache.from_config(
+                self.config, batch=1, max_len=size, device=self.device, dtype=self.dtype
+            )
+        self._cache.reset()
         return self._cache
 
     # -- the token loop --
-    def _tokens(
-        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, timing: Timing
-    ) -> Iterator[int]:
-        """Yield new token ids: prefill once, then one forward pass per token. Fills ``timing``."""
-        n = len(prompt_ids)
-        cache = self._cache_for(n + max_new_tokens)
+    def _tokens(self, seq: Sequence, timing: Timing) -> Iterator[int]:
+        """Yield new token ids: prefill once, then one forward pass per token. Fills ``timing``.
+
+        The caller appends each token to ``seq`` before asking for the next, so what the next
+        one may be (:func:`~llmlib.engine.stopping.constrain`) sees it."""
+        prompt_ids, params = seq.prompt_token_ids, seq.params
+        n, budget = len(prompt_ids), seq.max_tokens
+        cache = self._cache_for(n + budget)
         gens = [params.make_generator(self.device)]
-        seen = [list(prompt_ids)] if params.penalized else None
-        outs: list[list[int]] = [[]]  # generated tokens, for presence/frequency penalties
+        penalized = params.penalized
         model = self.model
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            seen = [seq.token_ids] if penalized else None
+            outs = [seq.output_token_ids] if penalized else None
+            return sample(constrain(logits, [seq]), [params], gens, seen, outs)
 
         t0 = time.perf_counter()
         with torch.inference_mode():
             ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
             # last_only: the LM head runs on the last position only (the prompt's other logits are unused)
             logits = model(ids, self._positions[:, :n], cache, last_only=True)
-            tok = sample(logits[:, -1], [params], gens, seen, outs)
+            tok = pick(logits[:, -1])
         tid = int(tok[0])  # the one host sync per step: we need the id for EOS, stops and text
         timing.prefill_s = time.perf_counter() - t0
         yield tid
-        if self.speculator is not None and not params.penalized:
-            self._stats = SpecStats()
+        if self._stats is not None:  # speculative decoding
             yield from self.speculator.decode(
                 [*prompt_ids, tid], cache, self._positions, params, gens[0],
-                max_new_tokens - 1, timing, self._stats,
+                budget - 1, timing, self._stats,
             )  # fmt: skip
             return
-        for pos in range(n, n + max_new_tokens - 1):
-            if seen is not None:
-                seen[0].append(tid)
-                outs[0].append(tid)
+        for pos in range(n, n + budget - 1):
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = self._step(model, tok.view(1, 1), self._positions[:, pos : pos + 1], cache)
-                tok = sample(logits[:, -1], [params], gens, seen, outs)
+                logits = model(tok.view(1, 1), self._positions[:, pos : pos + 1], cache)
+                tok = pick(logits[:, -1])
             tid = int(tok[0])
             timing.step_s.append(time.perf_counter() - t0)
             yield tid
 
-    def _prepare(
-        self, prompt: Prompt, params: SamplingParams, chat: bool
-    ) -> tuple[str, list[int], int]:
-        """Check the request and tokenize the prompt: (prompt text, prompt ids, token budget)."""
+    def _prepare(self, prompt: Prompt, params: SamplingParams, chat: bool) -> tuple[str, Sequence]:
+        """Check the request and tokenize the prompt: (prompt text, its sequence)."""
+        refused = [
+            name
+            for name, on in (
+                ("n > 1", params.n > 1),
+                ("logprobs", params.logprobs is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+            )
+            if on
+        ]
+        if refused:
+            raise ValueError(
+                f"the Generator decodes one choice without log-probabilities ({', '.join(refused)} "
+                "asked): the batching engine, llmlib.LLM, serves them"
+            )
         text_prompt, prompt_ids = self.encode_prompt(prompt, chat=chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens): nothing to continue from")
@@ -259,48 +235,67 @@ class Generator:
             raise ValueError(
                 f"prompt token ids must be in 0..{V - 1}, got {min(prompt_ids)}..{max(prompt_ids)}"
             )
-        if len(prompt_ids) >= self.max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_len}: "
-                f"no room to generate; shorten the prompt"
-            )
-        return text_prompt, prompt_ids, min(params.max_tokens, self.max_len - len(prompt_ids))
+        check_length(len(prompt_ids), params.max_tokens, self.max_len)
+        seq = Sequence(
+            seq_id=0,
+            prompt_token_ids=list(prompt_ids),
+            max_tokens=params.max_tokens,
+            eos_token_ids=frozenset(self.eos_ids),
+            ignore_eos=params.ignore_eos,
+            params=params,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            matcher=None if params.json_schema is None else self._matcher(params.json_schema),
+        )
+        seq.text = TextStream(
+            self.tokenizer.id_to_bytes, params.stop, include_stop=params.include_stop_str_in_output
+        )
+        return text_prompt, seq
 
-    def _run(
-        self, text_prompt: str, prompt_ids: list[int], budget: int, params: SamplingParams
-    ) -> Iterator[str]:
-        """The shared core of generate and stream: yields text pieces, stores ``self.last_result``."""
-        text = TextStream(self.tokenizer.id_to_bytes, params.stop)
+    def _matcher(self, schema: Any) -> Any:
+        """A grammar position for ``schema`` (structured output, :mod:`llmlib.structured`)."""
+        if self._grammars is None:
+            from llmlib.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.eos_ids)
+        return self._grammars.matcher(schema)
+
+    def _run(self, text_prompt: str, seq: Sequence) -> Iterator[str]:
+        """The shared core of generate and stream: yields text pieces, stores ``self.last_result``.
+        Each token is appended to the request's sequence, and the engine's own decision says
+        whether it ends there (:func:`llmlib.engine.stopping.take`)."""
         timing = Timing()
         result = GenerationResult(
             text="",
             token_ids=[],
-            finish_reason="length",
+            finish_reason="",  # what take() decides: a request always ends by its rule
             timing=timing,
-            prompt_ids=prompt_ids,
+            prompt_ids=list(seq.prompt_token_ids),
             prompt=text_prompt,
         )
         self.last_result = None
-        self._stats: SpecStats | None = None
-        for tid in self._tokens(prompt_ids, params, budget, timing):
+        # speculative decoding, unless the next token depends on more than the model's scores
+        params = seq.params
+        plain = params.penalized or seq.matcher is not None or params.min_tokens > 1
+        self._stats = SpecStats() if self.speculator is not None and not plain else None
+        text = seq.text
+        for tid in self._tokens(seq, timing):
+            seq.token_ids.append(tid)
             result.token_ids.append(tid)
             result.token_texts.append(
                 self.tokenizer.id_to_bytes(tid).decode("utf-8", errors="replace")
             )
-            if tid in self.eos_ids and not params.ignore_eos:
-                result.finish_reason = "stop"
-                break
-            if text.add_token(tid):
-                result.finish_reason = "stop"
-                break
+            reason = take(seq, tid, self.max_len)
             piece = text.delta()
             if piece:
                 yield piece
+            if reason is not None:
+                result.finish_reason = reason
+                break
         text.close()
         piece = text.delta()
         if piece:
             yield piece
-        result.text = text.text
+        result.text = text.text[: text.emitted]
         result.speculative = self._stats
         self.last_result = result
 
@@ -341,7 +336,7 @@ class Generator:
         template.
         """
         params = self._request(params, kwargs)
-        for _ in self._run(*self._prepare(prompt, params, chat), params):
+        for _ in self._run(*self._prepare(prompt, params, chat)):
             pass
         assert self.last_result is not None
         return self.last_result
@@ -361,15 +356,7 @@ class Generator:
         """
         params = self._request(params, kwargs)
         # check and tokenize now, so a bad request fails at the call, not at the first next()
-        return self._run(*self._prepare(prompt, params, chat), params)
-
-
-def decode_step(
-    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
-) -> torch.Tensor:
-    """One decode step, ``ids [B, 1]`` at ``positions`` -> logits ``[B, 1, vocab]``: the function
-    :class:`Generator` runs eagerly or hands to ``torch.compile``."""
-    return model(ids, positions, cache, last_only=True)
+        return self._run(*self._prepare(prompt, params, chat))
 
 
 def load_generator(
@@ -379,7 +366,6 @@ def load_generator(
     quantization: str | None = None,
     *,
     group_size: int = 32,
-    compile: bool = False,
     speculative: SpeculativeConfig | None = None,
 ) -> Generator:
     """A Generator on a model file or folder and its tokenizer (``None``: the book's SmolLM2),
@@ -388,4 +374,4 @@ def load_generator(
 
     path = resolve_model_path(path)
     model = load_model(path, device, dtype, quantization, group_size=group_size)
-    return Generator(model, load_tokenizer_for(path), compile=compile, speculative=speculative)
+    return Generator(model, load_tokenizer_for(path), speculative=speculative)

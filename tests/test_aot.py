@@ -3,6 +3,7 @@ key, loaded without a copy of the weights, and giving the eager step's tokens.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,41 +34,43 @@ def model_file(tmp_path_factory) -> Path:
     return write_gguf(d / "tiny.gguf", TINY, random_hf_weights(TINY, seed=4))
 
 
-def test_compiled_once_then_loaded_from_disk(model_file, tmp_path, recwarn) -> None:
+def test_one_request_compiled_once_then_loaded_from_disk(model_file, tmp_path, recwarn) -> None:
+    """What ``llmlib generate`` runs: the engine with one sequence, its step compiled once into a
+    package (code only) and loaded by the next engine; a batch of one runs its own size, unpadded,
+    and gives the eager Generator's tokens, also over a history longer than the traced one."""
     prompt = [5, 9, 11, 3, 7]
+    params = llmlib.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with forced(cache=tmp_path):
         model = llmlib.load_model(model_file, "cpu", "float32")
-        eager = llmlib.Generator(model, Tok()).generate(prompt, max_new_tokens=12, ignore_eos=True)
-        first = llmlib.Generator(model, Tok(), compile=True)
-        assert first.decode_path == "compiled (now, cached)" and first.compile_s > 0
-        packages = list((tmp_path / "compiled").glob("decode-*.pt2"))
+        eager = llmlib.Generator(model, Tok()).generate(prompt, params)
+        first = llmlib.LLM(model, Tok(), compile=True, max_num_seqs=1)
+        assert first.runner.decode_path == "compiled (now, cached)" and first.compile_s > 0
+        packages = list((tmp_path / "compiled").glob("engine-*.pt2"))
         assert len(packages) == 1
         assert not [w for w in recwarn if "LeafSpec" in str(w.message)]  # PyTorch's, not ours
         # the package holds code, not the weights: the model's own tensors are its constants
         assert packages[0].stat().st_size < 0.5 * model_file.stat().st_size + (4 << 20)
-        out = first.generate(prompt, max_new_tokens=12, ignore_eos=True)
+        out = first.generate([prompt], params, use_tqdm=False)[0]
         assert out.token_ids == eager.token_ids
-        again = llmlib.Generator(
-            llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True
-        )
-        assert again.decode_path == "compiled (from the cache)" and again.compile_s is None
-        assert again.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == out.token_ids
-        # a cache longer than the one it was traced with: the cache's length is symbolic
-        long = again.generate(list(range(1, 60)) * 4, max_new_tokens=4, ignore_eos=True)
-        ref = llmlib.Generator(model, Tok()).generate(
-            list(range(1, 60)) * 4, max_new_tokens=4, ignore_eos=True
-        )
-        assert long.token_ids == ref.token_ids
+        assert {rows for rows, _ in first.runner.graphs.steps.entries} == {1}  # no padding row
+        again = llmlib.LLM(llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True)
+        assert again.runner.decode_path == "compiled (from the cache)" and again.compile_s is None
+        assert again.generate([prompt], params, use_tqdm=False)[0].token_ids == out.token_ids
+        # a history longer than the one it was traced with: the blocks are a symbolic size
+        long = list(range(1, 60)) * 4
+        got = again.generate([long], dataclasses.replace(params, max_tokens=4), use_tqdm=False)[0]
+        ref = llmlib.Generator(model, Tok()).generate(long, max_new_tokens=4, ignore_eos=True)
+        assert got.token_ids == ref.token_ids
 
 
 def test_the_key_follows_the_file_the_format_and_the_machines_choices(model_file, tmp_path):
     with forced(cache=tmp_path):
-        a = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "decode")
-        b = aot.step_key(llmlib.load_model(model_file, "cpu", "float32", "int8"), "decode")
+        a = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "engine")
+        b = aot.step_key(llmlib.load_model(model_file, "cpu", "float32", "int8"), "engine")
         with forced(paged_kernel=False):
-            c = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "decode")
+            c = aot.step_key(llmlib.load_model(model_file, "cpu", "float32"), "engine")
         built = llmlib.model.random_model(TINY, "cpu")
-        assert aot.step_key(built, "decode") is None  # nothing to find a built model by
+        assert aot.step_key(built, "engine") is None  # nothing to find a built model by
         assert aot.file_digest(model_file) == aot.file_digest(model_file)  # remembered
         assert (tmp_path / "compiled" / "digests.json").exists()
     assert len({a, b, c}) == 3

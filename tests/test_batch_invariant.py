@@ -149,27 +149,37 @@ def _serve_kwargs(kwargs_of, argv: list[str]) -> dict:
     return kwargs_of(launch, "build_engine", lambda: launch.main(argv))
 
 
+def _serve_compiles(kwargs_of, argv: list[str]) -> bool:
+    """Whether the engine ``llmlib serve ARGV`` starts compiles its steps (its config resolved
+    for a checkpoint on this CPU, :func:`test_compile_default.resolved_compile`)."""
+    from test_compile_default import resolved_compile
+
+    seen = _serve_kwargs(kwargs_of, argv)
+    keys = ("compile", "batch_invariant", "speculative_config")
+    return resolved_compile(**{k: seen[k] for k in keys})
+
+
 def test_serve_compiles_by_default_on_a_cpu_except_with_speculation(kwargs_of):
     with forced(compile_default=False):  # LLMLIB_COMPILE=0
-        assert _serve_kwargs(kwargs_of, [])["compile"] is False
-        assert _serve_kwargs(kwargs_of, ["--compile"])["compile"] is True
+        assert _serve_compiles(kwargs_of, []) is False
+        assert _serve_compiles(kwargs_of, ["--compile"]) is True
     with forced(compile_default=True, invariant_compile=True):
         _serves_compiled_by_default(kwargs_of)
     with forced(compile_default=True, invariant_compile=False):  # an AVX2-only CPU
-        assert _serve_kwargs(kwargs_of, ["--batch-invariant"])["compile"] is False
-        assert _serve_kwargs(kwargs_of, ["--batch-invariant", "--compile"])["compile"] is True
-        assert _serve_kwargs(kwargs_of, [])["compile"] is True
+        assert _serve_compiles(kwargs_of, ["--batch-invariant"]) is False
+        assert _serve_compiles(kwargs_of, ["--batch-invariant", "--compile"]) is True
+        assert _serve_compiles(kwargs_of, []) is True
 
 
 def _serves_compiled_by_default(kwargs_of):
-    assert _serve_kwargs(kwargs_of, [])["compile"] is True
-    assert _serve_kwargs(kwargs_of, ["--no-compile"])["compile"] is False
+    assert _serve_compiles(kwargs_of, []) is True
+    assert _serve_compiles(kwargs_of, ["--no-compile"]) is False
     # the batch-invariant mode compiles its fixed-shape groups (engine.invariant.InvariantRows)
-    assert _serve_kwargs(kwargs_of, ["--batch-invariant"])["compile"] is True
-    assert _serve_kwargs(kwargs_of, ["--batch-invariant", "--no-compile"])["compile"] is False
+    assert _serve_compiles(kwargs_of, ["--batch-invariant"]) is True
+    assert _serve_compiles(kwargs_of, ["--batch-invariant", "--no-compile"]) is False
     other = ["--speculative=ngram:4"]  # speculation runs steps of its own, eagerly
-    assert _serve_kwargs(kwargs_of, other)["compile"] is False
-    assert _serve_kwargs(kwargs_of, [*other, "--compile"])["compile"] is True
+    assert _serve_compiles(kwargs_of, other) is False
+    assert _serve_compiles(kwargs_of, [*other, "--compile"]) is True
 
 
 @pytest.mark.parametrize(
@@ -222,7 +232,7 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
     from llmlib.engine.runner import ModelRunner
 
     torch.manual_seed(0)
-    runner = ModelRunner(tiny(dtype), num_blocks=40, block_size=4, batch_invariant=True)
+    runner = ModelRunner(tiny(dtype), num_blocks=40, block_size=4, mode="invariant")
     chunks = [  # a prompt in two chunks (the second generated), a recompute, a decode token
         SeqChunk(list(range(0, 10)), 0, 23, 23),
         SeqChunk(list(range(10, 20)), 0, 30, 25),
@@ -271,7 +281,7 @@ def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
     from llmlib.engine.invariant import PROMPT_TILE, ROW_TILE, InvariantRows
     from llmlib.engine.runner import ModelRunner
 
-    runner = ModelRunner(tiny(torch.float32), num_blocks=40, block_size=4, batch_invariant=True)
+    runner = ModelRunner(tiny(torch.float32), num_blocks=40, block_size=4, mode="invariant")
     seen = []
 
     def skewed(ids, positions, step):

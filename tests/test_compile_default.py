@@ -51,6 +51,31 @@ def test_the_batch_invariant_mode_compiles_by_default_where_its_groups_are_faste
             assert compiles_by_default("m.gguf", CPU)  # the default engine compiles either way
 
 
+def resolved_compile(source="m.gguf", **fields) -> bool:
+    """Whether an engine given ``fields`` (an :class:`~llmlib.engine.config.EngineConfig`'s)
+    compiles its steps, for a checkpoint ``source`` on this CPU: the one place that decides."""
+    from llmlib.config import ModelConfig
+    from llmlib.engine.config import EngineConfig
+    from llmlib.model import random_model
+
+    cfg = ModelConfig(
+        "t", vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32
+    )
+    model = random_model(cfg, "cpu")
+    return EngineConfig(**fields).resolved(model, model if source is None else source).compile
+
+
+def test_the_engine_config_compiles_a_checkpoint_by_default():
+    with forced(compile_default=True):
+        assert resolved_compile() and resolved_compile(Path("folder"))
+        assert not resolved_compile(None)  # a model built in memory stays as built
+        assert not resolved_compile(compile=False)
+        assert not resolved_compile(speculative_config=object())
+        assert resolved_compile(speculative_config=object(), compile=True)
+    with forced(compile_default=False):
+        assert not resolved_compile() and resolved_compile(compile=True)
+
+
 @pytest.mark.parametrize(
     "argv, env_default, want",
     [
@@ -63,11 +88,14 @@ def test_the_batch_invariant_mode_compiles_by_default_where_its_groups_are_faste
     ],
 )
 def test_generate_compiles_by_default(kwargs_of, argv, env_default, want):
+    """``llmlib generate`` hands the engine one config, for one sequence, whose resolution
+    compiles by default on a CPU."""
     import llmlib.cli.generate as G
-    import llmlib.generate
+    import llmlib.engine
 
     with forced(compile_default=env_default):
-        seen = kwargs_of(
-            llmlib.generate, "load_generator", lambda: G.main(["hello", "--device", "cpu", *argv])
-        )
-    assert seen["compile"] is want
+        seen = kwargs_of(llmlib.engine, "LLM", lambda: G.main(["hello", "--device", "cpu", *argv]))
+        config = seen["config"]
+        assert config.max_num_seqs == 1
+        fields = {k: getattr(config, k) for k in ("compile", "speculative_config")}
+        assert resolved_compile(**fields) is want

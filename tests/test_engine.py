@@ -152,9 +152,9 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     check_against_reference(outs, reference, workload)
     graphs = llm.runner.graphs
     # no CUDA here: nothing captured
-    assert graphs is not None and not graphs.enabled and graphs.replays == 0
+    assert graphs is not None and not graphs.steps.enabled and graphs.replays == 0
     assert graphs.static_steps > 0, "no step went through the fixed-shape path"
-    assert len(graphs._entries) > 1  # several (rows, blocks) buckets were used
+    assert len(graphs.steps.entries) > 1  # several (rows, blocks) buckets were used
     assert llm.block_manager.num_free_blocks == num_blocks
     assert llm.runner.cache.num_blocks == num_blocks + 1  # the scratch block, never handed out
     assert llm.stats().preemptions > 0 if num_blocks == 48 else llm.stats().preemptions == 0
@@ -178,7 +178,7 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
     outs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     check_against_reference(outs, reference[:24], (prompts, max_tokens))
     graphs = llm.runner.graphs
-    assert graphs.static_steps > 0 and len(graphs._entries) > 2  # several buckets, one graph
+    assert graphs.static_steps > 0 and len(graphs.steps.entries) > 2  # buckets, one graph
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     again = LLM(model, tok, compile=True, **kw)
     assert again.compile_s < llm.compile_s / 10 and counters["stats"]["unique_graphs"] == 1
@@ -191,14 +191,14 @@ def test_compiled_decode_steps_match_the_generator(model, tok, workload, referen
     assert {groups.rows, groups.prompt_rows} <= ran and 32 in ran and 128 in ran
 
 
-def test_static_decode_step_padding_touches_only_the_scratch_block():
-    from llmlib.engine.graphs import StaticDecodeStep
+def test_fixed_step_padding_touches_only_the_scratch_block():
+    from llmlib.engine.fixed_step import FixedStep
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
     from llmlib.model.attention import AttentionSpec
 
     torch.manual_seed(0)
     cache = PagedKVCache(1, 6, 2, 4, 8)  # block 5 is the scratch block
-    step = StaticDecodeStep(cache, rows=4, blocks=2, scratch_block=5)
+    step = FixedStep(cache, rows=4, blocks=2, scratch_block=5)
     step.fill([SeqChunk([3, 1], 5, 1), SeqChunk([2], 0, 1)], [7, 9])  # two real rows, two padding
     assert step.ids.tolist() == [[7, 9, 0, 0]] and step.positions.tolist() == [[5, 0, 0, 0]]
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
@@ -280,8 +280,10 @@ def test_abort_frees_blocks(model, tok):
 
 def test_bad_requests_are_refused_clearly(model, tok):
     llm = LLM(model, tok, num_blocks=64, block_size=4, max_model_len=100)
-    with pytest.raises(ValueError, match="maximum sequence length"):
+    with pytest.raises(ValueError, match="max_tokens is 20, but the prompt .90 tokens. leaves"):
         llm.add_request([1] * 90, greedy(20))
+    with pytest.raises(ValueError, match="leaves no room in the model's context of 100"):
+        llm.add_request([1] * 100, greedy(1))
     with pytest.raises(ValueError, match="empty"):
         llm.add_request([], greedy(2))
     with pytest.raises(ValueError, match="vocabulary"):
@@ -353,7 +355,7 @@ def test_async_streams_cancel_and_queue_full(model, tok, workload, reference):
                     break
             assert engine.llm.block_manager.num_free_blocks == 256
             assert engine.num_in_flight == 0
-            with pytest.raises(ValueError, match="maximum sequence length"):
+            with pytest.raises(ValueError, match="leaves only 502 of the model's context of 512"):
                 engine.submit([1] * 10, greedy(10_000))
         finally:
             engine.shutdown()

@@ -324,11 +324,12 @@ def test_engine_generates_what_the_generator_does(saved, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "qwen2"])
 def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
-    """Prefill then decode through the static cache, the CUDA-graph cache and the paged cache's
-    contract path (``update``): the logits of a full forward pass at every position."""
+    """Prefill then decode through the static cache, the engine's fixed-shape step (every token
+    a row, as a CUDA graph or a compiled step runs it) and the paged cache's contract path
+    (``update``): the logits of a full forward pass at every position."""
+    from llmlib.engine.fixed_step import FixedStep
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
     from llmlib.model.attention import KVCacheLike
-    from llmlib.runtime.static import StaticKVCache
 
     model = llmlib.load_model(saved[family][1], device="cpu")
     cfg = model.config
@@ -337,9 +338,17 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
     with torch.no_grad():
         full = model(ids)
         static = KVCache.from_config(cfg, max_len=64)
-        graph = StaticKVCache(cfg, 1, 64)
         pool = PagedKVCache(cfg.n_layers, 16, cfg.n_kv_heads, 4, cfg.head_dim)
+        fixed_pool = PagedKVCache(cfg.n_layers, 17, cfg.n_kv_heads, 4, cfg.head_dim)
         table = list(range(15, 7, -1))
+
+        def fixed(t0: int, t1: int) -> torch.Tensor:  # block 16: the scratch block
+            step = FixedStep(fixed_pool, t1 - t0 + 1, 8, 16)  # and one padding row
+            pos = torch.arange(t0, t1)
+            tab = torch.tensor(table)[None].expand(t1 - t0, -1)
+            slots = tab.gather(1, (pos // 4)[:, None])[:, 0] * 4 + pos % 4
+            step.load(ids[0, t0:t1], pos, slots, tab)
+            return model(step.ids, step.positions, step)[:, : t1 - t0]
 
         class UpdateOnly(
             KVCacheLike
@@ -352,7 +361,7 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
             pos = torch.arange(t0, t1)[None]
             step = pool.step([[SeqChunk(table, t0, t1 - t0)]])
             outs["static"].append(model(ids[:, t0:t1], pos, static))
-            outs["graph"].append(model(ids[:, t0:t1], pos, graph))
+            outs["graph"].append(fixed(t0, t1))
             outs["paged"].append(model(ids[:, t0:t1], pos, UpdateOnly(step)))
     for name, parts in outs.items():
         torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0, msg=name)

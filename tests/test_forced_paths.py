@@ -228,7 +228,7 @@ def package_cache() -> Path:
 )
 def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt, package_cache):
     """The compiled steps the CLI and the server run by default (from a package on disk), under
-    each forced path: the eager generator's greedy tokens, batch 1 and batched."""
+    each forced path: the eager steps' greedy tokens, one sequence at a time and batched."""
     if _ran_apart(request, path):
         return
     with forced(cache=package_cache), forced(**path, activations="float32"):
@@ -236,10 +236,11 @@ def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt
         tokens = _tokens(m)
         if fmt in FLOAT:
             assert tokens == reference[fmt][0]
-        gen = llmlib.Generator(m, Tok(), compile=True)
-        assert gen.decode_path.startswith("compiled"), gen.decode_path
-        got = [gen.generate(p, max_new_tokens=NEW, ignore_eos=True).token_ids for p in PROMPTS]
-        assert got == tokens, (fmt, _name(path), "compiled generator")
+        one = llmlib.LLM(m, Tok(), num_blocks=64, block_size=4, max_num_seqs=1, compile=True)
+        assert one.runner.decode_path.startswith("compiled"), one.runner.decode_path
+        params = llmlib.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        got = [one.generate([p], params, use_tqdm=False)[0].token_ids for p in PROMPTS]
+        assert got == tokens, (fmt, _name(path), "compiled, one sequence (llmlib generate)")
         got, llm = _engine_tokens(m, compile=True)
         # a model from a file: the engine's step is a package on disk, not compiled at each start;
         # except with PyTorch's weight-only int4/int8 kernels, whose packed copies inductor makes
@@ -247,7 +248,7 @@ def test_compiled_steps_under_a_forced_path(request, files, reference, path, fmt
         on_disk = ("compiled (now, cached)", "compiled (from the cache)")
         if path.get("integer") != "off":
             assert llm.runner.decode_path in on_disk, llm.runner.decode_path
-            assert gen.decode_path in on_disk, gen.decode_path
+            assert one.runner.decode_path in on_disk, one.runner.decode_path
         assert got == tokens, (fmt, _name(path), "compiled engine")
         assert llm.runner.graphs.static_steps > 0
         if fmt in FLOAT:  # bitwise, with every row of a group of generated tokens in use

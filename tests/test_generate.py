@@ -65,6 +65,43 @@ class ScriptedModel(nn.Module):
         return logits
 
 
+class ScriptedEngineModel(ScriptedModel):
+    """The scripted model as the batching engine calls it (``hidden`` then ``logits``), for the
+    commands, which run the engine: one sequence at a time, it answers the script in order and
+    keeps the last prompt it was given (``prompts``)."""
+
+    weight_format = "scripted"
+    dtype = torch.float32
+
+    def __init__(self, script: list[int], max_seq_len: int = 256):
+        super().__init__(script, max_seq_len)
+        self.prompts: list[list[int]] = []
+
+    def hidden(self, ids, positions=None, cache=None):
+        if ids.shape[1] > 1 or not self.prompts:
+            self.i = 0
+            self.prompts.append(ids[0].tolist())
+        return torch.zeros(ids.shape[0], ids.shape[1], 4)
+
+    def logits(self, h):
+        out = torch.zeros(*h.shape[:-1], 257)
+        out[..., self.script[min(self.i, len(self.script) - 1)]] = 10.0
+        self.i += 1
+        return out
+
+
+def scripted_engine(monkeypatch, text: str, eos: bool = False, **kw) -> ScriptedEngineModel:
+    """The commands' engine loads the scripted model (and the byte tokenizer) whatever the path."""
+    import llmlib.engine.llm
+
+    model = ScriptedEngineModel(list(text.encode("utf-8")) + ([256] if eos else [46] * 4), **kw)
+    monkeypatch.setattr(
+        llmlib.engine.llm, "load_engine_model", lambda *a, **k: (model, ByteTokenizer())
+    )
+    monkeypatch.setattr("llmlib.checkpoints.resolve_model_path", lambda p: "scripted.gguf")
+    return model
+
+
 def scripted(text: str, prompt: str = "Q:", eos: bool = False, **kw) -> tuple[Generator, str]:
     script = list(text.encode("utf-8")) + ([256] if eos else [ord(".")] * 4)
     return Generator(ScriptedModel(script, **kw), ByteTokenizer()), prompt
@@ -128,10 +165,15 @@ def test_ignore_eos_and_eos_from_config():
 
 
 def test_context_limits():
+    """The engine's own check (llmlib.engine.stopping.check_length): a request must fit."""
     gen, _ = scripted("abc", max_seq_len=16)
-    with pytest.raises(ValueError, match="context"):
+    with pytest.raises(ValueError, match="the prompt is 16 tokens, which leaves no room"):
         gen.generate("x" * 16)
-    out = gen.generate("x" * 12, max_new_tokens=50)  # room for 4 new tokens only
+    with pytest.raises(
+        ValueError, match="max_tokens is 50, but the prompt .12 tokens. leaves only 4"
+    ):
+        gen.generate("x" * 12, max_new_tokens=50)
+    out = gen.generate("x" * 12, max_new_tokens=4)  # room for 4 new tokens
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
@@ -207,12 +249,14 @@ def test_render_chat_matches_hugging_face():
         render_chat(template, [{"content": "no role"}])
 
 
-def test_chat_repl_keeps_the_conversation():
+def test_chat_repl_keeps_the_conversation(monkeypatch):
     import io
 
     from llmlib.cli.chat import repl
+    from llmlib.engine import LLM
 
-    gen, _ = scripted("fine", eos=True)
+    model = scripted_engine(monkeypatch, "fine", eos=True)
+    llm = LLM("scripted.gguf", compile=False, max_num_seqs=1)
     lines = iter(["hello", "", "/reset", "how are you?", "and you?"])
 
     def read(prompt):
@@ -222,19 +266,19 @@ def test_chat_repl_keeps_the_conversation():
             raise EOFError from None
 
     out = io.StringIO()
-    history = repl(gen, read=read, out=out, system="Be nice.")
+    history = repl(llm, read=read, out=out, system="Be nice.")
     assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
     assert history[1]["content"] == "how are you?" and history[2]["content"] == "fine"
-    # the second turn's prompt held the whole conversation, rendered by the template
-    assert (
-        gen.last_result.prompt
-        == "<system>Be nice.\n<user>how are you?\n<assistant>fine\n<user>and you?\n<assistant>"
-    )
+    # the second turn's prompt held the whole conversation, rendered by the template; what it
+    # shares with the first turn came from the engine's prefix cache, the rest was prefilled
+    whole = "<system>Be nice.\n<user>how are you?\n<assistant>fine\n<user>and you?\n<assistant>"
+    seen = ByteTokenizer().decode(model.prompts[-1])
+    assert whole.endswith(seen) and len(seen) < len(whole) and llm.stats().cached_tokens > 0
     assert out.getvalue().count("fine\n") == 3 and "cleared" in out.getvalue()
 
 
 def test_chat_command_speculates_and_says_what_it_loaded(smollm2_path, monkeypatch, capsys):
-    """``llmlib chat --speculative``: the flags reach the generator; a bad spec is a clear error."""
+    """``llmlib chat --speculative``: the flags reach the engine; a bad spec is a clear error."""
     import io
 
     from llmlib.cli.chat import main
@@ -243,25 +287,24 @@ def test_chat_command_speculates_and_says_what_it_loaded(smollm2_path, monkeypat
     args = ["--model", str(smollm2_path), "--dtype", "float32", "--max-new-tokens", "6"]
     assert main([*args, "--speculative", "ngram:3"]) == 0
     out = capsys.readouterr()
-    assert "(weights: float32" in out.err and ">>> " in out.out
+    assert "(weights float32" in out.err and "steps eager" in out.err and ">>> " in out.out
     assert main([*args, "--speculative", "ngram:x"]) == 2
     assert "llmlib chat: error:" in capsys.readouterr().err
 
 
-def test_chat_drops_old_turns_when_the_context_is_full():
+def test_chat_drops_old_turns_when_the_context_is_full(monkeypatch):
     import io
 
     from llmlib.cli.chat import chat_turn
+    from llmlib.engine import LLM
 
-    gen, _ = scripted("ok", eos=True, max_seq_len=64)
+    model = scripted_engine(monkeypatch, "ok", eos=True, max_seq_len=64)
+    llm = LLM("scripted.gguf", compile=False, max_num_seqs=1)
     history = []
+    params = llmlib.SamplingParams(max_tokens=4, temperature=0.0)
     for _ in range(6):
-        chat_turn(gen, history, "x" * 12, out=io.StringIO(), max_new_tokens=4)
-    assert (
-        len(gen.last_result.prompt_ids) < 64
-        and len(history) < 12
-        and history[-1]["content"] == "ok"
-    )
+        chat_turn(llm, history, "x" * 12, out=io.StringIO(), params=params)
+    assert len(model.prompts[-1]) < 64 and len(history) < 12 and history[-1]["content"] == "ok"
 
 
 @pytest.mark.parametrize(
@@ -269,16 +312,17 @@ def test_chat_drops_old_turns_when_the_context_is_full():
     [[], ["--no-stream"], ["--no-chat"], ["--chat", "--temperature", "0.7", "--top-p", "0.9"]],
 )
 def test_cli(monkeypatch, capsys, extra):
+    """``llmlib generate`` runs the batching engine with one sequence, and says what ran."""
     import llmlib.cli.generate as G
-    import llmlib.generate
 
-    gen, _ = scripted("Hi 😀", eos=True)
-    monkeypatch.setattr(llmlib.generate, "load_generator", lambda *a, **k: gen)
-    assert G.main(["hello", "--max-new-tokens", "20", *extra]) == 0
+    model = scripted_engine(monkeypatch, "Hi 😀", eos=True)
+    assert G.main(["hello", "--max-new-tokens", "20", "--no-compile", *extra]) == 0
     out = capsys.readouterr()
     assert out.out == "Hi 😀\n" and "finish=stop" in out.err
+    assert "engine: cpu" in out.err and "up to 1 sequences" in out.err
     chat = "--no-chat" not in extra  # the default is the chat template when the tokenizer has one
-    assert gen.last_result.prompt == ("<user>hello\n<assistant>" if chat else "hello")
+    seen = ByteTokenizer().decode(model.prompts[-1])
+    assert seen == ("<user>hello\n<assistant>" if chat else "hello")
 
 
 @pytest.mark.parametrize(
@@ -286,11 +330,11 @@ def test_cli(monkeypatch, capsys, extra):
 )
 def test_cli_rejects_bad_parameters(monkeypatch, capsys, bad):
     import llmlib.cli.generate as G
-    import llmlib.generate
+    import llmlib.engine.llm
 
     monkeypatch.setattr(
-        llmlib.generate,
-        "load_generator",
+        llmlib.engine.llm,
+        "load_engine_model",
         lambda *a, **k: pytest.fail("must fail before loading the model"),
     )
     assert G.main(["hello", *bad]) == 2

@@ -1,4 +1,4 @@
-"""Device choice, timing and CUDA-graph decoding.
+"""Device choice, timing and CUDA-graph decoding (the engine's fixed-shape steps, replayed).
 
 The tests without a mark run everywhere and exercise the CPU path (the same code, graphs off).
 The ones marked ``gpu`` need CUDA and are skipped without it; ``benchmarks/gpu_check.py`` runs them
@@ -13,7 +13,7 @@ import torch
 from llmlib.analysis.roofline import measure_bandwidth
 from llmlib.config import ModelConfig
 from llmlib.device import Placement, Timer, choose, machine_info, pick_device, pick_dtype, time_fn
-from llmlib.runtime.static import GraphedDecoder, StaticKVCache, compile_step, greedy_decode
+from llmlib.sampling import SamplingParams
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -34,6 +34,19 @@ def _model(device="cpu", dtype=torch.float32, cfg=CFG, std=0.3):
     from llmlib.model import random_model
 
     return random_model(cfg, device=device, dtype=dtype, seed=0, std=std)
+
+
+def _engine_greedy(model, prompts: list[list[int]], n: int, graphs: bool, **kw) -> list[list[int]]:
+    """Each prompt's ``n`` greedy tokens from the batching engine, its all-decode steps on fixed
+    shapes (``graphs``: captured as CUDA graphs on a GPU, run as they are on a CPU) or eager."""
+    from llmlib.engine import LLM
+
+    kw = {"num_blocks": 64, "block_size": 8, "max_num_seqs": 8, **kw}
+    llm = LLM(model, None, cuda_graphs=graphs, compile=False, **kw)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.block_manager.num_used_blocks == 0
+    return outs
 
 
 def _greedy_recompute(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
@@ -93,65 +106,29 @@ def test_timing_helpers():
     )
 
 
-# ---- the graph-safe static cache and the decoder, on the CPU path ------------------------------------
+# ---- the fixed-shape steps, on the CPU path ------------------------------------------------------
 
 
-def test_static_cache_follows_the_cache_contract():
-    cache = StaticKVCache(CFG, max_batch=3, max_len=10)
-    k = torch.randn(2, CFG.n_kv_heads, 4, CFG.head_dim)
-    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
-    k_all, v_all, mask = cache.update(0, k, k.clone(), pos)
-    assert k_all.shape == (2, CFG.n_kv_heads, 10, CFG.head_dim)
-    assert mask.shape == (2, 1, 4, 10) and mask.dtype == torch.bool
-    assert torch.equal(k_all[:, :, :4], k)
-    # causal, nothing unwritten
-    assert torch.equal(mask[0, 0], torch.arange(10)[None] <= torch.arange(4)[:, None])
-    assert cache.nbytes == 2 * CFG.n_layers * 3 * CFG.n_kv_heads * 10 * CFG.head_dim * 4
-
-
-def test_cached_decode_equals_recompute():
-    torch.manual_seed(0)
+def test_fixed_shape_decode_equals_recompute():
+    """The steps a GPU captures, run as they are on a CPU (several batch sizes, padded to the
+    next bucket): the same tokens as rerunning the whole sequence for each new one."""
     model = _model()
-    prompt = torch.randint(0, CFG.vocab_size, (3, 7))
-    out = greedy_decode(model, prompt, 12, use_graphs=False)
-    assert torch.equal(out, _greedy_recompute(model, prompt, 12))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, CFG.vocab_size, (7 + i,), generator=g).tolist() for i in range(3)]
+    got = _engine_greedy(model, prompts, 12, graphs=True)
+    for p, out in zip(prompts, got):
+        assert out == _greedy_recompute(model, torch.tensor([p]), 12)[0].tolist()
 
 
-def test_decoder_logits_match_full_forward():
-    model = _model()
-    ids = torch.randint(0, CFG.vocab_size, (2, 9))
-    full = model(ids)
-    cache = StaticKVCache(CFG, 2, 16)
-    dec = GraphedDecoder(model, cache, (1, 2)).capture()
-    assert not dec.enabled and not dec.graphs  # CPU: a passthrough
-    with torch.no_grad():
-        model(ids[:, :8], torch.arange(8).expand(2, 8), cache)
-        step = dec(ids[:, 8:9], torch.full((2, 1), 8))
-    torch.testing.assert_close(step[:, 0], full[:, 8], atol=1e-5, rtol=1e-5)
+def test_cuda_graphs_need_a_cuda_pool():
+    from llmlib.engine.paged_cache import PagedKVCache
+    from llmlib.engine.run_mode import pick_steps
 
-
-def test_decoder_rejects_bad_shapes_and_sizes():
-    model = _model()
-    cache = StaticKVCache(CFG, 2, 16)
-    with pytest.raises(ValueError, match="batch_sizes"):
-        GraphedDecoder(model, cache, (1, 4))  # 4 > the cache's rows
-    dec = GraphedDecoder(model, cache, (1, 2))
-    with pytest.raises(ValueError, match=r"\[B, 1\]"):
-        dec(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
-    assert dec._size_for(1) == 1 and dec._size_for(2) == 2
-    with pytest.raises(ValueError, match="larger"):
-        dec._size_for(3)
-    with pytest.raises(ValueError):
-        greedy_decode(model, torch.zeros(3, dtype=torch.long), 4)
-
-
-def test_compile_step_is_identity_off_cuda():
-    def f(x):
-        return x + 1
-
-    assert compile_step(f, enabled=False) is f
-    if not CUDA:
-        assert compile_step(f) is f
+    cache = PagedKVCache(CFG.n_layers, 9, CFG.n_kv_heads, 4, CFG.head_dim)
+    with pytest.raises(ValueError, match="CUDA graphs need the KV pool on a CUDA device"):
+        pick_steps("cuda-graphs", _model(), cache, scratch_block=8, max_rows=4, max_blocks=4)
+    fixed = pick_steps("fixed", _model(), cache, scratch_block=8, max_rows=4, max_blocks=4)
+    assert fixed.decode is not None and not fixed.decode.steps.enabled
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------
@@ -176,25 +153,33 @@ def test_cuda_graphs_equal_eager_with_padding():
     model = _model("cuda", torch.float32)
     cpu_model = _model("cpu")
     cpu_model.load_state_dict(model.state_dict())
-    for b in (1, 3):  # 3 runs padded up to the captured size 4
-        prompt = torch.randint(0, CFG.vocab_size, (b, 6), device="cuda")
-        eager = greedy_decode(model, prompt, 20, use_graphs=False)
-        graphed = greedy_decode(model, prompt, 20, use_graphs=True, batch_sizes=(1, 2, 4))
-        assert torch.equal(eager, graphed)
-        assert torch.equal(eager.cpu(), _greedy_recompute(cpu_model, prompt.cpu(), 20))
+    g = torch.Generator().manual_seed(0)
+    for b in (1, 3):  # 3 runs padded up to the bucket of 4
+        prompts = [torch.randint(0, CFG.vocab_size, (6,), generator=g).tolist() for _ in range(b)]
+        eager = _engine_greedy(model, prompts, 20, graphs=False)
+        graphed = _engine_greedy(model, prompts, 20, graphs=True)
+        assert eager == graphed
+        want = _greedy_recompute(cpu_model, torch.tensor(prompts), 20).tolist()
+        assert eager == want
 
 
 @pytest.mark.gpu
 @gpu
 def test_cuda_graph_replays_reuse_memory():
+    from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
+    from llmlib.engine.run_mode import pick_steps
+
     model = _model("cuda", torch.bfloat16)
-    cache = StaticKVCache(CFG, 4, 64, device="cuda", dtype=torch.bfloat16)
-    dec = GraphedDecoder(model, cache, (1, 2, 4)).capture()
-    assert dec.enabled and sorted(dec.graphs) == [1, 2, 4]
-    ids = torch.randint(0, CFG.vocab_size, (2, 1), device="cuda")
-    a = dec(ids, torch.zeros(2, 1, dtype=torch.long, device="cuda")).clone()
-    b = dec(ids, torch.zeros(2, 1, dtype=torch.long, device="cuda"))
-    assert torch.equal(a, b) and b.data_ptr() == dec.steps.entries[2][2].data_ptr()
+    cache = PagedKVCache(
+        CFG.n_layers, 17, CFG.n_kv_heads, 8, CFG.head_dim, device="cuda", dtype=torch.bfloat16
+    )
+    steps = pick_steps("cuda-graphs", model, cache, scratch_block=16, max_rows=4, max_blocks=4)
+    assert steps.decode.capture() == 9  # 1, 2, 4 rows x 1, 2, 4 blocks
+    chunks = [SeqChunk([0, 1], 9, 1), SeqChunk([2], 3, 1)]
+    a = steps.decode.run(chunks, [5, 6]).clone()
+    b = steps.decode.run(chunks, [5, 6])
+    assert torch.equal(a, b) and steps.decode.replays == 2
+    assert b.data_ptr() == steps.decode.steps.entries[(2, 2)][2].data_ptr()
 
 
 @pytest.mark.gpu
@@ -229,9 +214,7 @@ def test_engine_on_gpu_matches_single_requests():
         prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False
     )
     for p, o in zip(prompts, outs):
-        ref = greedy_decode(model, torch.tensor([p], device="cuda"), 16, use_graphs=False)[
-            0
-        ].tolist()
+        ref = _greedy_recompute(model, torch.tensor([p], device="cuda"), 16)[0].tolist()
         assert o.token_ids == ref
     assert llm.block_manager.num_used_blocks == 0
 
@@ -243,7 +226,8 @@ def test_bf16_graph_decode_of_a_real_shape():
 
     cfg = get_config("smollm2-135m")
     model = _model("cuda", torch.bfloat16, cfg=cfg, std=0.02)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
-    out = greedy_decode(model, prompt, 32, use_graphs=True)
-    assert out.shape == (1, 32) and int(out.max()) < cfg.vocab_size
-    assert torch.equal(out, greedy_decode(model, prompt, 32, use_graphs=False))
+    prompt = torch.randint(0, cfg.vocab_size, (32,)).tolist()
+    kw = {"num_blocks": 32, "block_size": 16, "max_num_seqs": 1}
+    out = _engine_greedy(model, [prompt], 32, graphs=True, **kw)[0]
+    assert len(out) == 32 and max(out) < cfg.vocab_size
+    assert out == _engine_greedy(model, [prompt], 32, graphs=False, **kw)[0]

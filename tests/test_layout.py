@@ -116,12 +116,12 @@ LAYERS = [
     {"llmlib.runtime", "llmlib.analysis.roofline"},  # compiled and graphed steps; measured roofs
     {  # one request, from a file on disk to its tokens
         "llmlib.checkpoints",
-        "llmlib.generate",
         "llmlib.perplexity",
         "llmlib.speculative",  # proposers and verification; a draft path loads via checkpoints
     },
     # the engine, the engine split over ranks, and measurements of the engine
-    {"llmlib.engine", "llmlib.parallel", "llmlib.analysis.invariance"},
+    # and chapter 8's loop, which shares the engine's requests, checks and stopping
+    {"llmlib.engine", "llmlib.parallel", "llmlib.analysis.invariance", "llmlib.generate"},
     {"llmlib.serve", "llmlib.bench", "llmlib.cli", "llmlib", "llmlib.__main__"},
 ]
 

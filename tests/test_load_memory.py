@@ -98,7 +98,7 @@ def test_the_kv_pool_is_sized_from_the_memory_left(monkeypatch) -> None:
     import torch
 
     from llmlib.config import get_config
-    from llmlib.engine.load import default_num_blocks
+    from llmlib.engine.config import default_num_blocks
     from llmlib.shapes import kv_cache_bytes
 
     cfg = get_config("llama-3.1-8b")

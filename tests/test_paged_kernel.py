@@ -138,35 +138,36 @@ def test_engine_tokens_unchanged_by_the_kernel(monkeypatch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("b", [1, 2])
-def test_static_cache_kernel_same_as_masked_attention(dtype, window, b) -> None:
-    """The compiled decode step's fixed-size cache: a one-token step through the kernel (written
-    slots only) equals the layer's attention over every slot under the mask, at each position;
-    a multi-token step (prefill) always takes the masked path."""
-    from llmlib.config import ModelConfig
-    from llmlib.runtime.static import StaticKVCache
+def test_fixed_step_kernel_same_as_masked_attention(dtype, window) -> None:
+    """The engine's fixed-shape step: its queries handed to the kernel as they lie equal the
+    masked attention over the gathered blocks, for rows at different positions (prompt tokens
+    of one sequence and decode rows of others, every token a row) and padding rows."""
+    from llmlib.engine.fixed_step import FixedStep
+    from llmlib.engine.paged_cache import PagedKVCache
 
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        "t", vocab_size=32, d_model=96, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=64
-    )
-    fast, slow = (StaticKVCache(cfg, 2, 32, dtype=dtype, kernel=kn) for kn in (True, False))
-    assert fast.kernel
+    H, Hkv, D, bs = 6, 2, 16, 4
+    pools = [PagedKVCache(1, 13, Hkv, bs, D, dtype=dtype) for _ in range(2)]
+    pools[1].kernel = False  # the same pool read by the masked path
+    for p in pools[1:]:
+        p.k[0].copy_(pools[0].k[0].normal_())
+        p.v[0].copy_(pools[0].v[0].normal_())
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 4]])
+    rows = [(0, p) for p in range(6, 10)] + [(1, 13), (1, 2)]  # (sequence, position)
+    pos = torch.tensor([p for _, p in rows])
+    tab = tables[[s for s, _ in rows]]
+    slots = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    q = torch.randn(1, H, 8, D).to(dtype)
+    k, v = (torch.randn(1, Hkv, 8, D).to(dtype) for _ in range(2))
     spec = AttentionSpec(window=window)
-    D = cfg.head_dim
-    pos = torch.arange(9).expand(b, 9) + torch.arange(b)[:, None]  # rows at different positions
-    k, v = (torch.randn(b, 2, 9, D).to(dtype) for _ in range(2))
-    q = torch.randn(b, 6, 9, D).to(dtype)
-    out = [c.attend(0, q, k, v, spec, pos) for c in (fast, slow)]
-    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)  # prefill: the same path
-    for step in range(9, 20):
-        p = pos[:, -1:] + step - 8
-        q, k, v = (torch.randn(b, h, 1, D).to(dtype) for h in (6, 2, 2))
-        got, want = (c.attend(0, q, k, v, spec, p) for c in (fast, slow))
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
-    with pytest.raises(ValueError, match="positions"):
-        fast.attend(0, q, k, v, spec)
+    out = []
+    for pool in pools:
+        step = FixedStep(pool, 8, 4, scratch_block=12, masked=not pool.kernel)
+        step.load(torch.zeros(6, dtype=torch.long), pos, slots, tab)  # 6 real rows, 2 padding
+        out.append(step.attend(0, q, k, v, spec)[:, :, :6])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[0].float(), out[1].float(), atol=tol, rtol=0)
+    assert torch.equal(pools[0].k[0], pools[1].k[0])  # the same slots written
 
 
 def test_reference_is_plain_attention() -> None:

@@ -386,7 +386,6 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     from torch._dynamo.utils import counters
 
     from llmlib.bench.formats import parse_formats
-    from llmlib.generate import decode_step
     from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.model.kv_cache import KVCache
     from llmlib.runtime.compile import plain_bfloat16
@@ -395,6 +394,9 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     model = random_model(cfg, "cpu", torch.bfloat16)
     prepare(model)
     assert isinstance(model.layers[0].ffn.w_gate_up.weight, OneDNNWeight)
+
+    def decode_step(model, ids, positions, cache):
+        return model(ids, positions, cache, last_only=True)
 
     def step(fn):
         cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 16, cfg.head_dim, dtype=torch.bfloat16)
@@ -417,7 +419,7 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     w2 = copy.copy(w)
     assert w.handle != w2.handle and _ONEDNN_WEIGHTS[w2.handle] is w2
     assert parse_formats("float32,bfloat16+compile") == [("float32", False), ("bfloat16", True)]
-    # the Generator's CPU compile (llmlib.runtime.compile) hands the graph plain matrices to freeze
+    # the CPU compile (llmlib.runtime.compile) hands the graph plain matrices to freeze
     dense = {n: m.weight.dequantize() for n, m in weight_matrices(model).items() if n != "embed"}
     assert plain_bfloat16(model) == len(dense) > 0
     for name, mod in weight_matrices(model).items():
@@ -426,13 +428,17 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
             assert torch.equal(mod.weight, dense[name])
 
 
-def test_generator_compiles_cpu_int8_frozen() -> None:
-    """On the CPU a quantized (or bfloat16) model's decode step is compiled frozen and autotuned
-    (:mod:`llmlib.runtime.compile`): one graph, the eager tokens; float32 keeps inductor's defaults.
-    (bfloat16 takes the same path; compiling it too would double this test's time.)"""
+def test_engine_compiles_cpu_int8_frozen() -> None:
+    """On the CPU a quantized (or bfloat16) model's fixed-shape step is compiled frozen and
+    autotuned (:mod:`llmlib.runtime.compile`): one graph, the eager tokens; float32 keeps
+    inductor's defaults. (bfloat16 takes the same path; compiling it too would double this
+    test's time.) A model built in memory compiles in memory; tests/test_aot.py the packages."""
+    from functools import partial
+
     from torch._dynamo.utils import counters
 
-    from llmlib.generate import decode_step
+    from llmlib.engine import LLM
+    from llmlib.engine.fixed_step import engine_forward
     from llmlib.runtime.compile import compile_options
 
     tok = llmlib.train_bpe("the cat sat on the mat. " * 20, vocab_size=300, pattern="gpt4")
@@ -443,10 +449,17 @@ def test_generator_compiles_cpu_int8_frozen() -> None:
     prepare(model)
     assert compile_options(model)["freezing"] is True
     assert compile_options(random_model(TINY, "cpu")) is None
+    params = llmlib.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(num_blocks=16, block_size=16, max_num_seqs=2)
+    prompt = tok.encode("the cat")
+    eager = LLM(model, tok, **kw).generate([prompt], params, use_tqdm=False)[0]
     torch._dynamo.reset()
     counters.clear()
-    gen = Generator(model, tok, compile=True)
-    out = gen.generate("the cat", max_new_tokens=6, ignore_eos=True)
+    llm = LLM(model, tok, compile=True, **kw)
+    assert llm.runner.decode_path == "compiled (in memory)" and llm.compile_s > 0
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    # one graph: a break (say, an untraceable call inside linear()) leaves each piece between
+    # breaks compiled on its own, and the step slower than eager
     assert not counters["graph_break"], dict(counters["graph_break"])
     if vnni.available():  # the loader stored the int8 matrices for the integer kernels
         assert any(
@@ -455,26 +468,34 @@ def test_generator_compiles_cpu_int8_frozen() -> None:
     # the compiled step's logits are the eager step's, to bfloat16's rounding (the compiled graph
     # fuses the small operators in float32), along the compiled run's own tokens: so greedy
     # choices agree wherever the two best tokens are further apart than that rounding
-    eager = _teacher_forced(model, decode_step, gen.encode_prompt("the cat")[1], out.token_ids)
-    compiled = _teacher_forced(model, gen._step, gen.encode_prompt("the cat")[1], out.token_ids)
-    for e, c in zip(eager, compiled):
+    compiled = _teacher_forced(model, llm.runner.graphs.forward, prompt, out.token_ids)
+    want = _teacher_forced(model, partial(engine_forward, model), prompt, out.token_ids)
+    for e, c in zip(want, compiled):
         assert (e - c).abs().max() < 0.02 * e.abs().max() + 0.04
         top = e.topk(2).values
         if top[0] - top[1] > 0.1:
             assert c.argmax() == e.argmax()
+    agree = sum(a == b for a, b in zip(eager.token_ids, out.token_ids))
+    assert agree >= len(out.token_ids) - 1, (eager.token_ids, out.token_ids)
 
 
-def _teacher_forced(model, step, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    """The logits of each decode step over the static cache, fed ``tokens`` (not its own)."""
-    from llmlib.runtime.static import StaticKVCache
+def _teacher_forced(model, forward, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The logits of each decode step of the engine's fixed-shape step run by ``forward`` (two
+    rows, the second padding), fed ``tokens`` (not its own) after an eager prefill."""
+    from llmlib.engine.fixed_step import FixedStep
+    from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
-    cache = StaticKVCache(model.config, 1, 64, "cpu", model.dtype)
+    cfg = model.config
+    cache = PagedKVCache(cfg.n_layers, 9, cfg.n_kv_heads, 16, cfg.head_dim, dtype=model.dtype)
+    table = list(range(8))  # block 8: the scratch block
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
-        out = [logits[0, -1].float()]
+        step = cache.step([[SeqChunk(table, 0, len(prompt))]])
+        h = model.hidden(torch.tensor([prompt]), step.positions, step)
+        out = [model.logits(h[0, -1:])[0].float()]
         for i, t in enumerate(tokens[:-1]):
-            pos = torch.tensor([[len(prompt) + i]])
-            out.append(step(model, torch.tensor([[t]]), pos, cache)[0, -1].float())
+            fs = FixedStep(cache, 2, 4, 8)
+            fs.fill([SeqChunk(table, len(prompt) + i, 1)], [t])
+            out.append(forward(fs.ids, fs.positions, fs)[0].float())
     return out
 
 
@@ -483,9 +504,11 @@ def test_two_compiled_generators_keep_their_own_graphs() -> None:
     model of the same shape, compiled in the same process, still runs its own frozen weights,
     not the first's graph, nor the first's codes out of inductor's cache (this tiny model's
     widths leave some int8 matrices to inductor's kernels: codes_left_to_inductor)."""
-    from llmlib.generate import decode_step
     from llmlib.model.kv_cache import KVCache
-    from llmlib.runtime.compile import codes_left_to_inductor, compile_decode
+    from llmlib.runtime.compile import codes_left_to_inductor, compile_step
+
+    def decode_step(model, ids, positions, cache):
+        return model(ids, positions, cache, last_only=True)
 
     cfg = TINY.replace(vocab_size=300)
     models = []
@@ -505,14 +528,14 @@ def test_two_compiled_generators_keep_their_own_graphs() -> None:
     filters = []
     compile_ = torch.compile
 
-    def spy(fn, **kw):  # what compile_decode asks torch.compile for
+    def spy(fn, **kw):  # what compile_step asks torch.compile for
         filters.append(kw.get("options", {}).get("guard_filter_fn"))
         return compile_(fn, **kw)
 
     steps = []
     with mock.patch.object(torch, "compile", spy):
         for m in models:
-            steps.append(compile_decode(decode_step, m))
+            steps.append(compile_step(decode_step, m))
     assert filters == [torch.compiler.skip_guard_on_all_nn_modules_unsafe] * 2
     assert codes_left_to_inductor(models[0]) > 0
     got = [step(m, s) for m, s in zip(models, steps)]

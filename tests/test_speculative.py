@@ -112,11 +112,12 @@ def test_greedy_speculation_stops_at_eos_and_context_end(model):
     spec = Generator(model, EosTok(), speculative=SpeculativeConfig("ngram", 8))
     out = spec.generate(prompt, max_new_tokens=40)
     assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason
-    # a context of 24 tokens: k shrinks so verification never writes past the cache
+    # a context of 24 tokens, filled: k shrinks so verification never writes past the cache
     short = Generator(model, Tok(), max_len=24, speculative=SpeculativeConfig("ngram", 8))
-    want = Generator(model, Tok(), max_len=24).generate(prompt, max_new_tokens=40, ignore_eos=True)
-    got = short.generate(prompt, max_new_tokens=40, ignore_eos=True)
-    assert got.token_ids == want.token_ids and len(got.token_ids) == 24 - len(prompt)
+    n = 24 - len(prompt)
+    want = Generator(model, Tok(), max_len=24).generate(prompt, max_new_tokens=n, ignore_eos=True)
+    got = short.generate(prompt, max_new_tokens=n, ignore_eos=True)
+    assert got.token_ids == want.token_ids and len(got.token_ids) == n
 
 
 @pytest.mark.parametrize("method", ["ngram", "early_exit", "draft"])

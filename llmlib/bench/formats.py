@@ -1,8 +1,9 @@
 """``llmlib bench generate --formats ...``: every weight format side by side, in one run.
 
 For each format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``gguf``; ``NAME+compile`` for
-the torch.compile'd decode step) the same file is loaded, and the same prompt is decoded greedily
-at batch 1 for the same number of new tokens. Runs go round-robin over the formats so a noisy
+the compiled step, as ``llmlib generate`` runs by default) the same file is loaded, and the same
+prompt is decoded greedily at batch 1 for the same number of new tokens, by the product path:
+the batching engine with one sequence (``LLM(..., max_num_seqs=1)``). Runs go round-robin over the formats so a noisy
 neighbour slows all alike; medians are reported, with ratios against float32 from this run.
 
 Per format: decode tokens/s; prefill's seconds for the prompt; the bytes one decode step reads
@@ -19,6 +20,7 @@ BF16 and Q8_0 copies of the file, and the file itself).
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,19 +120,21 @@ def run(
     import llmlib
     from llmlib.analysis.roofline import measure_bandwidth
     from llmlib.device import machine_info, timings
-    from llmlib.generate import Generator
+    from llmlib.engine import LLM
 
     torch.set_num_threads(threads)
     tok = llmlib.load_tokenizer(path)
-    gens: dict[str, Generator] = {}
+    gens: dict[str, LLM] = {}
     rows: dict[str, dict[str, Any]] = {}
     for name, comp in formats:
         label = name + ("+compile" if comp else "")
         dtype, q = format_of(name)
         model = llmlib.load_model(path, "cpu", dtype, q)
-        gens[label] = g = Generator(model, tok, compile=comp)
         before = rss_anon()
-        warm = g.warmup()
+        gens[label] = g = LLM(model, tok, max_num_seqs=1, compile=comp)
+        t0 = time.perf_counter()
+        one_request(g, [1, 2], 3)  # the first step allocates and picks kernels (or compiles)
+        warm = (g.compile_s or 0.0) + time.perf_counter() - t0
         # what compiling added to this process: workspace, and the constants a frozen graph owns
         grown = None if before is None or not comp else rss_anon() - before
         rows[label] = {
@@ -138,17 +142,18 @@ def run(
             "dtype": dtype,
             "quantization": q,
             "compiled": comp,
-            "weight_format": g.weight_format,
+            "weight_format": model.weight_format,
+            "decode_path": g.runner.decode_path,
             "compile_s": round(warm, 2) if comp else None,
             "compile_resident_bytes": grown,
             "weight_bytes_per_token": weight_bytes(model),
         }
         log(
-            f"loaded {label}: {g.weight_format}"
-            + (f", compiled in {warm:.1f} s" if comp else "")
+            f"loaded {label}: {model.weight_format}, decode {g.runner.decode_path}"
+            + (f" in {warm:.1f} s" if comp and g.compile_s else "")
             + (f", +{grown / 2**20:.0f} MiB resident" if grown is not None else "")
         )
-    ids = next(iter(gens.values())).encode_prompt(prompt, chat=True)[1]
+    ids = next(iter(gens.values())).encode([{"role": "user", "content": prompt}])[1]
     peers: dict[str, Any] = {}  # llama.cpp at each format's bits per weight, on the same weights
     if llama_cpp and _llama_cpp.available():
         for kind in dict.fromkeys(_llama_cpp.PEER_TYPES[n] for n, _ in formats):
@@ -165,10 +170,9 @@ def run(
         for label, g in gens.items():
 
             def once(g=g, label=label) -> None:
-                out = g.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
-                tokens[label] = out.token_ids
-                times[label].append(out.timing.decode_s / len(out.timing.step_s))
-                prefills[label].append(out.timing.prefill_s)
+                tokens[label], step_s, prefill_s = one_request(g, ids, new_tokens)
+                times[label].append(step_s)
+                prefills[label].append(prefill_s)
 
             timings(once, warmup=0, reps=1)
         for name, decode in peers.items():
@@ -230,6 +234,18 @@ def run(
         "formats": list(rows.values()),
         "llama_cpp_build": _llama_cpp.build() if peers else None,
     }
+
+
+def one_request(llm: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+    """One greedy request of ``new_tokens`` through ``llm`` alone: its tokens, the seconds a
+    decode step took (the mean after the first token) and the time to its first token."""
+    from llmlib.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([ids], sp, use_tqdm=False)[0]
+    m = out.metrics
+    steps = max(len(out.token_ids) - 1, 1)
+    return out.token_ids, (m.finished_time - m.first_token_time) / steps, m.time_to_first_token
 
 
 def quality(models: dict, tok, n: int, rows: dict, log) -> None:

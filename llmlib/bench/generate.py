@@ -2,8 +2,9 @@
 
 Both load the same SmolLM2 GGUF in float32 on the CPU and generate the same number of new tokens
 greedily from the same prompt ids (the question in SmolLM2's chat template; transformers with
-``min_new_tokens`` so it cannot stop early,
-llmlib with ``ignore_eos``). Runs alternate between the two so a noisy neighbour on this shared
+``min_new_tokens`` so it cannot stop early, llmlib with ``ignore_eos``). llmlib runs what
+``llmlib generate`` runs: the batching engine with one sequence, its step compiled by default on a
+CPU (``--no-compile``: eager). Runs alternate between the two so a noisy neighbour on this shared
 machine slows both alike; we report medians and their ratio.
 
 Threads: llmlib decodes with one thread by default (``--threads``). A batch-1 step is a chain of
@@ -39,10 +40,11 @@ def run(
     prompt: str = PROMPT,
     verbose: bool = True,
     hf_threads: int | None = None,
+    compile: bool | None = None,
 ) -> dict:
-    import llmlib
+    from llmlib.bench.formats import one_request
     from llmlib.checkpoints import resolve_model_path
-    from llmlib.generate import Generator
+    from llmlib.engine import LLM
 
     default_threads = torch.get_num_threads()
     ours_threads = threads or default_threads
@@ -54,9 +56,7 @@ def run(
         f"loading {path.name} into llmlib and transformers (float32, CPU; threads: "
         f"llmlib {ours_threads}, transformers {theirs_threads}) ..."
     )
-    gen = Generator(
-        llmlib.load_model(path, device="cpu", dtype=torch.float32), llmlib.load_tokenizer(path)
-    )
+    gen = LLM(path, device="cpu", dtype="float32", max_num_seqs=1, compile=compile)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -67,13 +67,13 @@ def run(
 
     # the chat template, as a user would ask (SmolLM2-Instruct's first greedy token after the bare
     # question is its end-of-turn token, so the raw prompt would measure a continuation past it)
-    ids = gen.encode_prompt(prompt, chat=True)[1]
+    ids = gen.encode([{"role": "user", "content": prompt}])[1]
     ids_t = torch.tensor([ids])
 
     def ours() -> list[int]:
         torch.set_num_threads(ours_threads)
         try:
-            return gen.generate(ids, max_new_tokens=new_tokens, ignore_eos=True).token_ids
+            return one_request(gen, ids, new_tokens)[0]
         finally:
             torch.set_num_threads(default_threads)
 
@@ -110,6 +110,7 @@ def run(
         "dtype": "float32",
         "device": "cpu",
         "llmlib_threads": ours_threads,
+        "llmlib_decode_path": gen.runner.decode_path,
         "transformers_threads": theirs_threads,
         "prompt_tokens": len(ids),
         "new_tokens": new_tokens,
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for transformers (default: torch's default)",
     )
     ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llmlib's step compiled (default: as `llmlib generate` runs, compiled on a CPU)",
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument(
         "--formats",
@@ -202,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt,
         verbose=not args.json,
         hf_threads=args.hf_threads,
+        compile=args.compile,
     )
     if args.json:
         print(json.dumps(r, indent=2))

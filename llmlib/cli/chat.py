@@ -1,9 +1,10 @@
 """``llmlib chat``: an interactive conversation with a chat model in the terminal.
 
 The whole conversation is kept as a list of messages and re-rendered with the model's chat template
-every turn, so the model always sees the history in the format it was trained on. Each turn is a
-fresh prefill of the full history (the generator's static cache is reused, not its contents): simple,
-and cheap for the short conversations a 135M model can hold.
+every turn, so the model always sees the history in the format it was trained on. Each turn is one
+request to the batching engine with one sequence (:func:`llmlib.cli.common.cli_engine`); the history
+it shares with the last turn is found in the engine's prefix cache, so only the new messages are
+prefilled.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TextIO
 
 from llmlib.cli.common import (
     add_decode_args,
     add_model_args,
     add_sampling_args,
-    cli_generator,
-    decode_note,
+    cli_engine,
+    engine_note,
     sampling_params,
 )
-from llmlib.generate import Generator
 from llmlib.prompts import Message
 from llmlib.sampling import SamplingParams
 
@@ -29,33 +30,33 @@ HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
 
 def chat_turn(
-    gen: Generator,
+    llm: Any,
     history: list[Message],
     user_text: str,
     out: TextIO = sys.stdout,
     params: SamplingParams | None = None,
-    **kw: Any,
 ) -> str:
     """Add the user's message, stream the reply to ``out``, add the reply; return it.
 
-    ``params`` (or the Generator's keyword convenience) says how to sample. If the history leaves
-    too little room for a reply (``max_tokens``, at most half the context), the oldest exchanges
-    are dropped; a system message, if any, stays.
+    ``llm`` is an :class:`llmlib.LLM`; ``params`` says how to sample (default: greedy, 64 new
+    tokens). If the history leaves too little room for a reply (``max_tokens``, at most half the
+    context), the oldest exchanges are dropped; a system message, if any, stays.
     """
+    params = params if params is not None else SamplingParams(max_tokens=64, temperature=0.0)
     history.append({"role": "user", "content": user_text})
-    wanted = params.max_tokens if params is not None else int(kw.get("max_new_tokens", 64))
-    room = min(wanted, gen.max_len // 2)
+    context = llm.max_model_len
+    room = min(params.max_tokens, context // 2)
     first = 1 if history[0]["role"] == "system" else 0
-    while len(gen.encode_prompt(history)[1]) + room > gen.max_len:
+    while len(llm.encode(history)[1]) + room > context:
         if len(history) - first <= 1:  # only the new message is left and it is still too long
             history.pop()
-            raise ValueError(
-                f"the message is too long for the model's context of {gen.max_len} tokens"
-            )
+            raise ValueError(f"the message is too long for the model's context of {context} tokens")
         del history[first : first + 2]  # the oldest user/assistant exchange
-    pieces = gen.stream(history, params, **kw)
+    if room < params.max_tokens:
+        params = replace(params, max_tokens=room)
     reply = []
-    for piece in pieces:
+    for step in llm.stream(history, params):
+        piece = step.outputs[0].delta_text
         out.write(piece)
         out.flush()
         reply.append(piece)
@@ -66,12 +67,11 @@ def chat_turn(
 
 
 def repl(
-    gen: Generator,
+    llm: Any,
     read: Callable[[str], str] = input,
     out: TextIO = sys.stdout,
     system: str | None = None,
     params: SamplingParams | None = None,
-    **kw: Any,
 ) -> list[Message]:
     """The read-eval-print loop. Ends on /exit, EOF (Ctrl-D) or Ctrl-C at the prompt; Ctrl-C while
     the model is answering stops that answer only. Returns the conversation."""
@@ -93,7 +93,7 @@ def repl(
             out.write("(conversation cleared)\n")
             continue
         try:
-            chat_turn(gen, history, text, out=out, params=params, **kw)
+            chat_turn(llm, history, text, out=out, params=params)
         except KeyboardInterrupt:
             out.write("\n(interrupted)\n")
             if history and history[-1]["role"] == "user":
@@ -115,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = sampling_params(args)
-        gen = cli_generator(args)
-        print(f"(weights: {gen.weight_format}{decode_note(gen)})", file=sys.stderr)
+        llm = cli_engine(args)
+        print(f"({engine_note(llm)})", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"llmlib chat: error: {e}", file=sys.stderr)
         return 2
-    if not getattr(gen.tokenizer, "chat_template", None):
+    if not getattr(llm.tokenizer, "chat_template", None):
         print("llmlib chat: error: this model's tokenizer has no chat template", file=sys.stderr)
         return 2
-    repl(gen, system=args.system, params=params)
+    repl(llm, system=args.system, params=params)
     return 0

@@ -76,33 +76,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def auto_format(
-    path: Any, device: str | None, dtype: str | None, quantization: str | None
-) -> tuple[Any, Any, str | None]:
-    """``(device, dtype, quantization)`` to load ``path`` with: as asked, or when neither a dtype
-    nor a quantization is given, the machine's fastest accurate format
-    (:func:`llmlib.device.choose_format`)."""
-    from pathlib import Path
-
-    from llmlib.device import choose_format
-
-    place, q = choose_format(device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf")
-    return place.device, place.dtype, q
-
-
-def generator_args(args: argparse.Namespace) -> tuple[Any, Any, Any, str | None]:
-    """``(path, device, dtype, quantization)`` for :func:`llmlib.generate.load_generator`: the
-    format the model arguments ask for, or the default (:func:`auto_format`)."""
-    from llmlib.checkpoints import resolve_model_path
-
-    path = resolve_model_path(args.model)
-    return (path, *auto_format(path, *model_format(args)))
-
-
 def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
-    """``--compile``/``--no-compile`` and ``--speculative``: how the one-request generator
-    decodes. Compiled is the default on a CPU (the compiled step is kept on disk after the first
-    start: :mod:`llmlib.runtime.aot`); speculative decoding runs eagerly."""
+    """``--compile``/``--no-compile`` and ``--speculative``: how the engine decodes. Compiled is
+    the default on a CPU (the compiled step is kept on disk after the first start:
+    :mod:`llmlib.runtime.aot`)."""
     from llmlib.speculative.config import SPEC_HELP
 
     ap.add_argument(
@@ -114,29 +91,41 @@ def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
     ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
 
 
-def cli_generator(args: argparse.Namespace) -> Any:
-    """The :class:`~llmlib.generate.Generator` the model, format and decode arguments ask for;
-    compiled now where it compiles, so the first answer's timing is decoding, not compilation."""
-    from llmlib.device import compiles_by_default, pick_device
-    from llmlib.generate import load_generator
+def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The :class:`~llmlib.engine.config.EngineConfig` the model, format and decode arguments
+    ask for (``fields``: the command's own, e.g. ``max_num_seqs=1`` for one request at a time)."""
+    from llmlib.engine.config import EngineConfig
     from llmlib.speculative.config import SpeculativeConfig
 
-    spec = SpeculativeConfig.parse(args.speculative) if args.speculative else None
-    compile = args.compile
-    if compile is None:  # the fast path by default, where it is fast: a CPU's compiled step
-        device = pick_device(getattr(args, "device", None))
-        compile = compiles_by_default(args.model, device, speculative=spec)
-    gen = load_generator(
-        *generator_args(args), group_size=args.group_size, compile=compile, speculative=spec
+    device, dtype, quantization = model_format(args)
+    spec = getattr(args, "speculative", None)
+    return EngineConfig(
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        group_size=getattr(args, "group_size", None),
+        compile=getattr(args, "compile", None),
+        speculative_config=SpeculativeConfig.parse(spec) if spec else None,
+        **fields,
     )
-    if gen.decode_path == "compiled (in memory)":
-        gen.warmup()  # torch.compile compiles on the first call
-    return gen
 
 
-def decode_note(gen: Any) -> str:
-    """The timing line's word on which decode step ran, and what compiling cost."""
-    note = f"; decode {gen.decode_path}"
-    if gen.compile_s:
-        note += f" in {gen.compile_s:.1f} s"
-    return note
+def cli_engine(args: argparse.Namespace) -> Any:
+    """The engine ``llmlib generate`` and ``chat`` run: :class:`llmlib.LLM` with one sequence at
+    a time, in the format the arguments ask for (or the machine's fastest for one request), its
+    step compiled (or loaded) now, so the first answer's timing is decoding, not compiling."""
+    from llmlib.checkpoints import resolve_model_path
+    from llmlib.engine import LLM
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    config = engine_config(args, max_num_seqs=1, tensor_parallel_size=tp)
+    return LLM(resolve_model_path(args.model), config=config)
+
+
+def engine_note(llm: Any) -> str:
+    """The timing line's word on what ran: the weights, the engine's resolved config, and what
+    compiling the step cost this start."""
+    note = f"weights {llm.model.weight_format}; decode {llm.runner.decode_path}"
+    if llm.compile_s:
+        note += f" in {llm.compile_s:.1f} s"
+    return note + f"; engine: {llm.engine_config.describe()}"

@@ -4,7 +4,9 @@
 * :mod:`~llmlib.engine.block_manager` — which KV blocks each sequence owns, and prefix sharing;
 * :mod:`~llmlib.engine.scheduler` — which sequences run in the next step, and how many tokens each;
 * :mod:`~llmlib.engine.paged_cache` — the block pools, and the cache view of one forward pass;
-* :mod:`~llmlib.engine.graphs` — fixed-shape decode steps, replayed from CUDA graphs on a GPU;
+* :mod:`~llmlib.engine.config` — :class:`EngineConfig`, everything the engine runs with, resolved once;
+* :mod:`~llmlib.engine.fixed_step` — the fixed-shape step (CUDA graphs on a GPU, compiled on a CPU);
+* :mod:`~llmlib.engine.run_mode` — how the steps run, chosen in one place;
 * :mod:`~llmlib.engine.runner` — a step's chunks through the model, and sampling;
 * :mod:`~llmlib.engine.outputs` — what the engine reports;
 * :mod:`~llmlib.engine.request` — a request's choices, their text and log-probabilities;
@@ -13,6 +15,7 @@
 """
 
 from llmlib.engine.async_llm import AsyncLLM, QueueFull, RequestStream
+from llmlib.engine.config import EngineConfig
 from llmlib.engine.llm import LLM
 from llmlib.engine.outputs import (
     CompletionOutput,
@@ -26,6 +29,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EngineConfig",
     "EngineStats",
     "QueueFull",
     "RequestMetrics",

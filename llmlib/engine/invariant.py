@@ -45,7 +45,7 @@ norms and activations are row by row, and the paged kernel gives each row its ow
 does not make every row of a product run the same code, though (MKL's float32 kernel for AVX2
 computes rows 30 and 31 of 32 another way), so the engine checks each size at start and takes
 the first that passes (:meth:`InvariantRows.settle`), or runs the eager steps if none does. The
-graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.compiled`), shared with
+graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.fixed_step`), shared with
 the default engine; compiled in memory (a model built in memory), inductor may tune its kernels
 differently in another process, so the guarantee is within one engine's process. Its results
 are not bitwise those of the eager steps above, only equally invariant.
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlib.engine.graphs import StaticDecodeStep, bucket
+from llmlib.engine.fixed_step import FixedStep, bucket
 from llmlib.engine.paged_cache import PagedKVCache, PagedStep, SeqChunk, write_kv
 from llmlib.kernels.paged_attention import decode_attention, serves_spec
 from llmlib.model.attention import AttentionSpec, soft_cap
@@ -318,15 +318,15 @@ class InvariantRows:
     ) -> None:
         self.forward, self.cache, self.scratch_block = forward, cache, scratch_block
         self.rows, self.prompt_rows, self.max_blocks = rows, prompt_rows, max_blocks
-        self._steps: dict[tuple[int, int, int], StaticDecodeStep] = {}
+        self._steps: dict[tuple[int, int, int], FixedStep] = {}
 
-    def _step(self, rows: int, blocks: int, heads: int) -> StaticDecodeStep:
+    def _step(self, rows: int, blocks: int, heads: int) -> FixedStep:
         # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
         # the blocks a row's length covers, so the width changes nothing in a row's sums
         nb = bucket(max(blocks, 2), max(self.max_blocks, 2))
         key = rows, nb, heads
         if key not in self._steps:
-            self._steps[key] = StaticDecodeStep(self.cache, rows, nb, self.scratch_block, heads)
+            self._steps[key] = FixedStep(self.cache, rows, nb, self.scratch_block, heads, False)
         return self._steps[key]
 
     @torch.inference_mode()  # as the engine's steps run (a graph compiled here serves them)

@@ -16,6 +16,7 @@ step, and new prompts join as soon as there is room (continuous batching, {cite}
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
@@ -23,16 +24,16 @@ from typing import Any
 
 import torch
 
-from llmlib.device import compiles_by_default
 from llmlib.engine.block_manager import BlockManager
-from llmlib.engine.load import default_num_blocks, load_engine_model
+from llmlib.engine.config import EngineConfig
+from llmlib.engine.load import load_engine_model
 from llmlib.engine.outputs import EngineStats, RequestOutput
 from llmlib.engine.request import Choice, EngineRequest, choice_generator
 from llmlib.engine.runner import ModelRunner, StepResult
 from llmlib.engine.scheduler import Scheduler, SchedulerStats
 from llmlib.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from llmlib.engine.speculate import engine_speculator
-from llmlib.engine.stopping import prompt_only
+from llmlib.engine.stopping import check_length, prompt_only
 from llmlib.prompts import Prompt, encode_prompt, eos_token_ids
 from llmlib.sampling import SamplingParams
 
@@ -44,114 +45,80 @@ class LLM:
     >>> outs = llm.generate(["Hi", "Once upon"], SamplingParams(max_tokens=32, temperature=0))
 
     ``model`` may also be a loaded :class:`llmlib.model.Transformer` (then pass ``tokenizer``, or
-    give prompts as token ids). ``num_blocks`` sizes the KV pool (default: from the memory left after
-    loading, :func:`llmlib.engine.load.default_num_blocks`, or ``kv_cache_bytes`` worth).
-    ``max_num_batched_tokens`` is the per-step token budget.
+    give prompts as token ids). Everything else is an :class:`~llmlib.engine.config.EngineConfig`:
+    pass one as ``config``, or its fields as keyword arguments (``LLM(path, max_num_seqs=8)``),
+    which become one. It is resolved once, here (``llm.engine_config``, printed by
+    :meth:`~llmlib.engine.config.EngineConfig.describe`): the format, the pool, the batch limits
+    and the run mode, how every step runs.
 
-    ``cuda_graphs`` (default: on for CUDA) runs every step in which all sequences decode one token
-    as a replay of a CUDA graph (:class:`llmlib.engine.graphs.PagedDecodeGraphs`), captured per
-    power-of-two batch size and history length the first time one is needed, or ahead of time with
-    :meth:`capture_graphs`. ``cuda_graphs=True`` on a CPU runs the same fixed-shape steps without
-    capturing (what the tests exercise).
+    The format, when neither ``dtype`` nor ``quantization`` is given, is the machine's fastest
+    accurate one for this engine's batches, so ``LLM(path)`` may load a file in another format
+    than ``load_model(path)``, which serves one request (``llm.model.weight_format`` says which).
+    An engine of one sequence (``max_num_seqs=1``, what ``llmlib generate`` and ``chat`` run)
+    takes the one-request format.
 
-    ``compile`` (default for a path on a CPU: :func:`llmlib.device.compiles_by_default`) runs those
-    fixed-shape steps through one graph for every batch size, compiled by the first start and kept
-    on disk for the next (:mod:`llmlib.engine.compiled`; ``llm.runner.decode_path`` says which).
+    All-decode steps run on fixed shapes (:mod:`llmlib.engine.fixed_step`): replayed from CUDA
+    graphs on a GPU (``cuda_graphs``, default on), or on a CPU through one compiled graph for
+    every batch size (``compile``, default for a checkpoint: compiled by the first start and kept
+    on disk for the next; ``llm.runner.decode_path`` says which ran).
 
     ``tensor_parallel_size=N`` splits the model over ``N`` ranks (:mod:`llmlib.parallel`): this
     process is rank 0 and keeps the scheduler and sampling; ``llm.shutdown()`` (or ``with``)
-    stops the others. ``tp_options``: a :class:`llmlib.parallel.TPOptions`.
-
-    ``dtype`` and ``quantization`` choose the format (:func:`llmlib.load_model`); for a path with
-    neither given, the fastest one whose perplexity stays within 1% of float32 on this machine
-    (:func:`llmlib.device.choose_format`). ``llm.model.weight_format`` says which ran.
+    stops the others.
     """
 
     def __init__(
         self,
         model: str | Path | torch.nn.Module,
         tokenizer: Any = None,
-        *,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        kv_cache_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        quantization: str | None = None,
-        cuda_graphs: bool | None = None,
-        tensor_parallel_size: int = 1,
-        tp_options: Any = None,
-        speculative_config: Any = None,  # a SpeculativeConfig (llmlib.engine.speculate)
-        batch_invariant: bool = False,  # logits bitwise the same in any batch: engine.invariant
-        compile: bool | None = None,  # compile the CPU decode steps (default: compiles_by_default)
+        config: EngineConfig | None = None,
+        **kwargs: Any,
     ) -> None:
         self._tp = None  # the tensor-parallel driver (llmlib.parallel.driver), when sharded
-        self.compile_s: float | None = None  # seconds compiling the decode step took (compile)
-        if tensor_parallel_size != 1:
+        try:
+            asked = EngineConfig.of(config, **kwargs)
+        except TypeError as e:  # an unknown keyword names itself
+            raise TypeError(f"LLM: {e}") from None
+        if asked.tensor_parallel_size != 1:
             from llmlib.parallel.driver import start_engine
 
-            if quantization is not None or batch_invariant or compile:  # None: not asked
-                what = f"quantization={quantization!r}" if quantization else "batch_invariant=True"
-                what = "compile=True" if compile else what
-                raise ValueError(
-                    f"LLM: {what} with tensor_parallel_size="
-                    f"{tensor_parallel_size}: not implemented for sharded ranks, for now"
-                )
             self._tp, model_obj, tokenizer = start_engine(
-                model, tensor_parallel_size, device, dtype, tokenizer, tp_options
-            )
-            cuda_graphs = False  # each step is a round of collectives: no graph replay
+                model, asked.tensor_parallel_size, asked.device, asked.dtype, tokenizer,
+                asked.tp_options,
+            )  # fmt: skip
         else:
-            model_obj, tokenizer = load_engine_model(model, tokenizer, device, dtype, quantization)
+            asked = asked.with_format(model)
+            model_obj, tokenizer = load_engine_model(model, tokenizer, asked)
         try:  # a sharded engine that fails to finish starting stops its ranks
             self.model = model_obj.eval()
             self.tokenizer = tokenizer
             # sharded, the model is rank 0's slice; the config stays the whole model's
             self.config = cfg = self._tp.config if self._tp else model_obj.config
-            p = next(model_obj.parameters())
-            if compile is None:
-                tp, spec = self._tp is not None, speculative_config
-                compile = compiles_by_default(model, p.device, spec, tp, batch_invariant)
+            self.engine_config = ec = asked.resolved(model_obj, model)
             # the KV pool is held in the model's (activations') dtype, whatever the weights are in
-            self.device, self.dtype = p.device, getattr(model_obj, "dtype", p.dtype)
-            if not isinstance(block_size, int) or block_size <= 0:
-                raise ValueError(f"LLM: block_size must be a positive integer, got {block_size!r}")
-            max_len = min(cfg.max_seq_len, max_model_len or cfg.max_seq_len)
-            if num_blocks is None:  # a rank's pool holds its own KV heads: its own config
-                num_blocks = default_num_blocks(
-                    model_obj.config, self.device, self.dtype, block_size, max_len,
-                    max_num_seqs, kv_cache_bytes,
-                )  # fmt: skip
-            if not isinstance(num_blocks, int) or num_blocks <= 0:
-                raise ValueError(f"LLM: num_blocks must be a positive integer, got {num_blocks!r}")
-            if max_num_batched_tokens is None:
-                max_num_batched_tokens = 2048 if self.device.type == "cuda" else 512
-            self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            self.device, self.dtype = ec.device, ec.dtype
+            self.block_manager = BlockManager(
+                ec.num_blocks, ec.block_size, ec.enable_prefix_caching
+            )
             self.scheduler = Scheduler(
-                self.block_manager, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
+                self.block_manager, max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
+                max_num_batched_tokens=ec.max_num_batched_tokens,
+                enable_chunked_prefill=ec.enable_chunked_prefill,
             )  # fmt: skip
             self.max_model_len = self.scheduler.max_model_len
             if self._tp is not None:
-                self.runner: ModelRunner = self._tp.runner(num_blocks, block_size)
+                self.runner: ModelRunner = self._tp.runner(ec.num_blocks, ec.block_size)
             else:
                 self.runner = ModelRunner(
-                    self.model, num_blocks, block_size, cuda_graphs=cuda_graphs,
-                    max_graph_rows=max_num_seqs, max_model_len=max_len,
-                    batch_invariant=batch_invariant, compile=compile,
+                    self.model, ec.num_blocks, ec.block_size, mode=ec.run_mode,
+                    max_rows=ec.max_num_seqs, max_model_len=ec.max_model_len,
                 )  # fmt: skip
-                if compile:  # now, before any request waits for it
-                    self.compile_s = self.runner.compile_now(min(32, max_num_seqs))
+                # a step compiled in memory compiles now, before any request waits for it
+                self.runner.compile_now(min(32, ec.max_num_seqs))
                 self.block_manager.outputs_apart = self.runner.rows is not None  # InvariantRows
             self.eos_token_ids = eos_token_ids(cfg, tokenizer)
             self._spec = engine_speculator(
-                speculative_config, self._tp is not None, self.model, self.runner.cache
+                ec.speculative_config, self._tp is not None, self.model, self.runner.cache
             )
             self._requests: dict[str, EngineRequest] = {}
             self._by_seq: dict[int, tuple[EngineRequest, Choice]] = {}
@@ -161,6 +128,11 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds compiling the step took in this process (None: loaded from disk, or none)."""
+        return None if self._tp is not None else self.runner.compile_s
 
     # ---- tensor parallelism ----------------------------------------------------------------------
     @property
@@ -208,11 +180,7 @@ class LLM:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens): nothing to continue from")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
-                f"maximum sequence length of {self.max_model_len} tokens"
-            )
+        check_length(len(prompt_ids), params.max_tokens, self.max_model_len)
         if params.json_schema is not None:
             self.grammars().grammar(params.json_schema)  # SchemaError (a ValueError) says why not
 
@@ -387,6 +355,21 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[r] for r in rids]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, allow_special: bool = False
+    ) -> Iterator[RequestOutput]:
+        """One request, run to its end: every step's output for it, as it comes (each carries
+        the text and tokens that step added, ``delta_text``; the last one is ``finished`` and
+        has the request's metrics). Requests queued before it run alongside."""
+        rid = self.add_request(prompt, params, allow_special=allow_special)
+        try:
+            while rid in self._requests:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+        finally:  # a consumer that stops early (Ctrl-C in a chat) frees the request's blocks
+            self.abort(rid)
 
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -9,28 +9,31 @@ costs nothing in attention. The LM head runs only on the positions whose next to
 
 from __future__ import annotations
 
-import functools
-import sys
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from llmlib.engine.graphs import PagedDecodeGraphs
+from llmlib.engine.fixed_step import FixedSteps, engine_forward
 from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
-from llmlib.engine.sequence import ScheduledChunk, Sequence
+from llmlib.engine.run_mode import pick_steps, scratch_blocks
+from llmlib.engine.sequence import ScheduledChunk
+from llmlib.engine.stopping import constrain
 from llmlib.model import Transformer
 from llmlib.model.attention import KVCacheLike
-from llmlib.runtime.compile import compile_engine_step, engine_forward
 from llmlib.sampling import sample
 from llmlib.speculative.verify import accept_greedy, accept_sampled, distributions
-from llmlib.structured import allowed
 
 
 class ModelRunner:
-    """Owns the paged KV pool; runs the scheduled chunks through the model and samples."""
+    """Owns the paged KV pool; runs the scheduled chunks through the model and samples.
+
+    ``mode`` is the engine's run mode (:data:`llmlib.engine.config.RUN_MODES`), turned into the
+    :class:`~llmlib.engine.fixed_step.Steps` that run every step by
+    :func:`~llmlib.engine.fixed_step.pick_steps`; ``max_rows`` bounds a fixed-shape step (the
+    engine's sequences per step) and ``max_model_len`` its history."""
 
     def __init__(
         self,
@@ -38,129 +41,68 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         *,
-        cuda_graphs: bool | None = None,
-        max_graph_rows: int = 64,
+        mode: str = "eager",
+        max_rows: int = 64,
         max_model_len: int | None = None,
-        batch_invariant: bool = False,
-        compile: bool = False,
     ) -> None:
+        from llmlib.runtime.aot import print_progress
+
         cfg = model.config
-        #: every step through llmlib.engine.invariant (fixed row tiles, tiled attention)
-        self.batch_invariant = batch_invariant
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.dtype
-        if compile and self.device.type != "cpu":
-            raise ValueError(
-                "compile=True compiles the CPU engine's decode steps: "
-                "on CUDA the decode steps replay CUDA graphs"
-            )
-        if batch_invariant:
-            cuda_graphs = False  # the fixed-shape decode step uses the default attention
-        elif compile:
-            cuda_graphs = True  # the fixed-shape steps, run (not captured) by the compiled graph
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        # With graphs, or compiled invariant groups, the pool gets one block more than the block
-        # manager hands out: the scratch block that a fixed-shape step's padding rows write into.
+        # A fixed-shape step's padding rows write into a scratch block: one block more than the
+        # block manager hands out.
         self.cache = PagedKVCache(
             cfg.n_layers,
-            num_blocks + (1 if cuda_graphs or compile else 0),
+            num_blocks + scratch_blocks(mode),
             cfg.n_kv_heads,
             block_size,
             cfg.head_dim,
             device=self.device,
             dtype=self.dtype,
         )
-        self.compile_s: float | None = None
-        #: which all-decode step runs: "eager", or the compiled one and where it came from
-        self.decode_path = "eager"
-        self._compiled = None  # a graph compiled in memory (not loaded from a package)
-        #: the batch-invariant mode's compiled groups (every step's tokens, in fixed-size groups)
-        self.rows = None
-        if batch_invariant:
-            from llmlib.engine.invariant import ROW_CHOICES, ROW_TILE, InvariantRows, rows_compile
-            from llmlib.kernels.prepare import row_tiled
-
-            why = rows_compile(model, self.cache) if compile else None
-            if compile and why is None:
-                self.model = model  # the graph multiplies the model's own matrices
-                max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
-                forward = self._compiled_forward()  # the default engine's graph
-                rows = InvariantRows(forward, self.cache, num_blocks, max_blocks)
-                why = self._settle(rows)  # group sizes whose rows the graph computes alike
-                self.rows = rows if why is None else None
-            if why is not None:
-                self.decode_path = f"eager ({why}, so the batch-invariant steps are not compiled)"
-            if self.rows is None:  # every product in fixed row tiles, on a view sharing the weights
-                model = row_tiled(model, ROW_TILE, ROW_CHOICES[1:])
-            compile = False
-        self.model = model
-        forward = self._forward_rows
-        if compile:
-            forward = self._compiled_forward()
-        self.graphs: PagedDecodeGraphs | None = None
-        if cuda_graphs:
-            max_len = max_model_len or cfg.max_seq_len
-            self.graphs = PagedDecodeGraphs(
-                forward,
-                self.cache,
-                scratch_block=num_blocks,
-                max_rows=max_graph_rows,
-                max_blocks=-(-max_len // block_size),
-                enabled=self.device.type == "cuda",
-                min_size=2 if compile else 1,
-            )
+        self.mode = mode
+        max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)
+        self.steps = pick_steps(
+            mode, model, self.cache, scratch_block=num_blocks, max_rows=max_rows,
+            max_blocks=max_blocks, log=print_progress,
+        )  # fmt: skip
+        self.model = self.steps.model
         self.forward_passes = 0
 
-    def _compiled_forward(self):
-        """The compiled all-decode step: from the disk cache (compiled and stored there first,
-        if need be) for a model loaded from a file (:func:`llmlib.engine.compiled.load_engine_step`),
-        else one ``torch.compile`` graph in memory, shared by every engine on the model."""
-        from llmlib.engine.compiled import load_engine_step
-        from llmlib.runtime.aot import print_progress
+    @property
+    def graphs(self) -> FixedSteps | None:
+        """The fixed-shape all-decode steps (None: every step runs eagerly)."""
+        return self.steps.decode
 
-        t0 = time.perf_counter()
-        forward, cached = load_engine_step(self.model, self.cache, print_progress)
-        if forward is not None:
-            self.compile_s = None if cached else time.perf_counter() - t0
-            self.decode_path = "compiled (from the cache)" if cached else "compiled (now, cached)"
-            return forward
-        self._compiled = compile_engine_step(self.model)
-        self.decode_path = "compiled (in memory)"
-        return functools.partial(self._compiled, self.model)
+    @property
+    def rows(self) -> Any:
+        """The compiled batch-invariant groups (None: not this mode)."""
+        return self.steps.rows
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.steps.invariant
+
+    @property
+    def decode_path(self) -> str:
+        """Which step runs: ``"eager"``, or the compiled one and where it came from."""
+        return self.steps.path
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds compiling the step took in this process (None: loaded, or none)."""
+        return self.steps.compile_s
 
     def compile_now(self, rows: int) -> float | None:
-        """Compile the decode step (``compile=True``) now, before any request waits; the seconds
-        compiling took (None: loaded from the disk cache). In memory, on an all-padding step of
-        ``rows`` rows (inductor tunes its matrix kernels for the rows it first sees). The
-        batch-invariant groups ran their graph when the runner was made (:meth:`_settle`)."""
-        if self._compiled is None or self.batch_invariant:  # compiled (or loaded) already
-            return self.compile_s
-        self._announce()
-        t0 = time.perf_counter()
-        self.graphs.run_padding(rows)
-        self._compiled.warm = True
-        return time.perf_counter() - t0
-
-    def _announce(self) -> None:
-        if self._compiled is not None and not getattr(self._compiled, "warm", False):
-            msg = "llmlib: compiling the engine's decode step (minutes on a small CPU)..."
-            print(msg, file=sys.stderr, flush=True)  # unless another engine on the model did
-
-    def _settle(self, rows) -> str | None:
-        """Pick the batch-invariant groups' sizes (:meth:`InvariantRows.settle`), which runs the
-        graph: one compiled in memory compiles here, and ``compile_s`` says how long it took."""
-        t0 = time.perf_counter()
-        self._announce()
-        why = rows.settle()
-        if self._compiled is not None:
-            self._compiled.warm, self.compile_s = True, time.perf_counter() - t0
-        return why
+        """Compile a step compiled in memory now, before any request waits
+        (:meth:`~llmlib.engine.fixed_step.Steps.compile_now`)."""
+        return self.steps.compile_now(rows)
 
     def _forward_rows(
         self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheLike
     ) -> torch.Tensor:
-        """The forward pass a fixed-shape decode step runs (and a CUDA graph records): logits [rows, V]."""
+        """The forward pass a fixed-shape step runs eagerly: logits [rows, V]."""
         return engine_forward(self.model, ids, positions, step)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -220,7 +162,9 @@ class ModelRunner:
             self.forward_passes += 1
             logits = self.graphs.run(chunks, [c.seq.token_ids[c.start] for c in chunks])
             keep = [i for i, c in enumerate(chunks) if c.samples]  # a prompt's 1-token slice: none
-            self._sample([chunks[i] for i in keep], logits[keep], generators, res)
+            if len(keep) < len(chunks):
+                chunks, logits = [chunks[i] for i in keep], logits[keep]
+            self._sample(list(chunks), logits, generators, res)
             return res
         plan = StepPlan.of(chunks)
         logits = self._forward(plan.order, plan.select)
@@ -279,7 +223,7 @@ class ModelRunner:
         if len(rows) != len(sampled):
             raw = raw[torch.tensor(rows, device=raw.device)]
         params = [s.params for s in seqs]
-        logits = _constrain(raw, seqs)
+        logits = constrain(raw, seqs)
         penalized = any(p.penalized for p in params)
         seen = [s.token_ids for s in seqs] if penalized else None
         outs = [s.output_token_ids for s in seqs] if penalized else None
@@ -385,36 +329,3 @@ def _logprob_entries(lp: torch.Tensor, chosen: list[int], k: int) -> list[TokenL
         top = list(zip(top_i[r].tolist(), top_v[r].tolist()))
         out.append(TokenLogprob(t, v, rank, top))
     return out
-
-
-def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Mask what a sequence may not sample: its end tokens before ``min_tokens``, and whatever
-    its grammar forbids (structured output). A grammar that allows only end tokens wins."""
-    banned = [i for i, s in enumerate(seqs) if s.num_output_tokens < (s.params.min_tokens or 0)]
-    matched = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    if not banned and not matched:
-        return logits
-    logits = logits.clone()
-    V = logits.shape[1]
-    if matched:
-        allow = allowed([seqs[i].matcher for i in matched], min(V, _vocab(seqs)), logits.device)
-        keep = torch.zeros(len(matched), V, dtype=torch.bool, device=logits.device)
-        keep[:, : allow.shape[1]] = allow
-        logits[matched] = logits[matched].masked_fill(~keep, float("-inf"))
-    for i in banned:
-        s = seqs[i]
-        ends = [
-            t
-            for t in (s.stop_token_ids | (s.eos_token_ids if not s.ignore_eos else set()))
-            if t < V
-        ]
-        if ends:
-            row = logits[i].clone()
-            row[ends] = float("-inf")
-            if torch.isfinite(row).any():
-                logits[i] = row
-    return logits
-
-
-def _vocab(seqs: list[Sequence]) -> int:
-    return min(s.matcher.vocab for s in seqs if s.matcher is not None)

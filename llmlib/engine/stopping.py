@@ -1,4 +1,5 @@
-"""When a sequence is finished: one decision, made as each token is appended.
+"""When a sequence is finished: one decision, made as each token is appended; and what must hold
+before it is.
 
 A sequence ends for one of a few reasons, and they are all checked here, in this order, each time
 the scheduler appends a token (:meth:`llmlib.engine.scheduler.Scheduler.append_token`):
@@ -14,11 +15,56 @@ the scheduler appends a token (:meth:`llmlib.engine.scheduler.Scheduler.append_t
 The token goes through the sequence's text stream and grammar on the way (both are per-token
 state that the decision reads), so nothing else in the engine has to look at it again. A request
 that only scores its prompt (``max_tokens=0``) ends with it: :func:`prompt_only`.
+
+Two things come before: a request must fit the model's context (:func:`check_length`, the one
+check of it, for the engine, the Generator and the server), and until a sequence may end, it
+may not sample what would end it (:func:`constrain`: its end tokens before ``min_tokens``, and
+whatever its grammar forbids). The batching engine and the Generator (chapter 8's loop) both
+decide with these.
 """
 
 from __future__ import annotations
 
+import torch
+
 from llmlib.engine.sequence import Sequence
+from llmlib.structured import allowed
+
+
+class ContextLengthError(ValueError):
+    """A request that cannot fit the model's context: ``field`` names what to shorten
+    (``"prompt"`` or ``"max_tokens"``), so a server can say which field of its request it was."""
+
+    def __init__(self, field: str, prompt_len: int, max_tokens: int, context: int) -> None:
+        self.field, self.prompt_len, self.max_tokens, self.context = (
+            field,
+            prompt_len,
+            max_tokens,
+            context,
+        )
+        super().__init__(self.describe())
+
+    def describe(self, prompt: str = "prompt", max_tokens: str = "max_tokens") -> str:
+        """The message, naming the request's fields as its caller calls them."""
+        if self.field == "prompt":
+            return (
+                f"the {prompt} is {self.prompt_len} tokens, which leaves no room in the model's "
+                f"context of {self.context} tokens"
+            )
+        return (
+            f"{max_tokens} is {self.max_tokens}, but the {prompt} ({self.prompt_len} tokens) "
+            f"leaves only {self.context - self.prompt_len} of the model's context of "
+            f"{self.context} tokens"
+        )
+
+
+def check_length(prompt_len: int, max_tokens: int, context: int) -> None:
+    """Raise :class:`ContextLengthError` unless a prompt of ``prompt_len`` tokens leaves room for
+    at least one token and for ``max_tokens`` (0: the prompt is only scored) within ``context``."""
+    if prompt_len >= context:
+        raise ContextLengthError("prompt", prompt_len, max_tokens, context)
+    if prompt_len + max_tokens > context:
+        raise ContextLengthError("max_tokens", prompt_len, max_tokens, context)
 
 
 def prompt_only(seq: Sequence) -> str | None:
@@ -59,3 +105,36 @@ def take(seq: Sequence, tok: int, max_model_len: int) -> str | None:
     if text is not None:
         text.close()
     return reason
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask what a sequence may not sample: its end tokens before ``min_tokens``, and whatever
+    its grammar forbids (structured output). A grammar that allows only end tokens wins."""
+    banned = [i for i, s in enumerate(seqs) if s.num_output_tokens < (s.params.min_tokens or 0)]
+    matched = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if not banned and not matched:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[1]
+    if matched:
+        allow = allowed([seqs[i].matcher for i in matched], min(V, _vocab(seqs)), logits.device)
+        keep = torch.zeros(len(matched), V, dtype=torch.bool, device=logits.device)
+        keep[:, : allow.shape[1]] = allow
+        logits[matched] = logits[matched].masked_fill(~keep, float("-inf"))
+    for i in banned:
+        s = seqs[i]
+        ends = [
+            t
+            for t in (s.stop_token_ids | (s.eos_token_ids if not s.ignore_eos else set()))
+            if t < V
+        ]
+        if ends:
+            row = logits[i].clone()
+            row[ends] = float("-inf")
+            if torch.isfinite(row).any():
+                logits[i] = row
+    return logits
+
+
+def _vocab(seqs: list[Sequence]) -> int:
+    return min(s.matcher.vocab for s in seqs if s.matcher is not None)

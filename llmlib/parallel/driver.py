@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmlib.engine.run_mode import Steps
 from llmlib.engine.runner import ModelRunner
 from llmlib.parallel import plan as P
 from llmlib.parallel.comm import CollectiveError
@@ -248,7 +249,7 @@ class TPModelRunner(ModelRunner):
         self.driver = driver
         self.model, self.cache = driver.model, driver.rank.runner.cache
         self.device, self.dtype = self.cache.device, self.cache.dtype
-        self.graphs = None
+        self.mode, self.steps = "eager", Steps(driver.model)  # each step: collectives, eager
         self.forward_passes = 0
 
     def _forward(self, chunks: list, select: list[int]) -> torch.Tensor:

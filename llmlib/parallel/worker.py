@@ -110,7 +110,7 @@ class Rank:
             return out
         if cmd == P.POOL:
             num_blocks, block_size = payload
-            self.runner = ModelRunner(self.model, num_blocks, block_size, cuda_graphs=False)
+            self.runner = ModelRunner(self.model, num_blocks, block_size)
             self.tables = P.BlockTables(num_blocks)
             return None
         if cmd == P.COPY:  # a forked sequence's copy-on-write blocks, in this rank's pool

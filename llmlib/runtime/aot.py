@@ -19,11 +19,10 @@ per file and remembered beside the cache), how the weights are stored here
 (``model.weight_format``), the step's kind, torch's and llmlib's versions, and the CPU's choices
 (:class:`llmlib.kernels.flags.Flags`: the kernels a graph calls are part of its code). A model
 that was built rather than loaded from a file has no key: it compiles in memory
-(:func:`llmlib.runtime.compile.compile_decode`).
+(:func:`llmlib.runtime.compile.compile_step`).
 
-The one-request decode step (:func:`load_decode_step`) takes the token ids, their positions and
-the static cache's key and value tensors (:class:`llmlib.runtime.static.StaticKVCache`), whose
-length is a symbolic size of the graph, so one package serves every cache size.
+The step kept this way is the engine's fixed-shape step (:mod:`llmlib.engine.fixed_step`), for
+one request and for a batch alike.
 """
 
 from __future__ import annotations
@@ -36,13 +35,12 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 #: bumped when what a package holds changes meaning
-VERSION = 3
+VERSION = 4
 
 
 def cache_dir() -> Path:
@@ -83,21 +81,6 @@ def step_key(model: nn.Module, kind: str) -> str | None:
         "cpu": sorted(f.cpu_flags),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-class _DecodeStep(nn.Module):
-    """The one-request decode step as a module ``torch.export`` can trace: ``(ids, positions, *k,
-    *v)`` -> logits, the cache's tensors written in place."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor):
-        from llmlib.runtime.static import StaticKVCache
-
-        cache = StaticKVCache.over(list(kv[: len(kv) // 2]), list(kv[len(kv) // 2 :]))
-        return self.model(ids, positions, cache, last_only=True)
 
 
 def load_kernels() -> None:
@@ -212,37 +195,6 @@ def load_step(
         failed.write_text(f"{type(e).__name__}: {e!s:.500}")
         return None, False
     return loaded, cached
-
-
-def load_decode_step(model: nn.Module, log: Callable[[str], None] | None = None):
-    """``step(model, ids, positions, cache)`` for ``model``'s one-request decode, from its package
-    on disk (compiled and stored first if there is none), or None where the model has no key or
-    this step cannot be compiled ahead of time here (the caller compiles in memory). The second
-    value says whether it came from the disk: ``(step, cached)``."""
-    wrapper = _DecodeStep(model)
-    loaded, cached = load_step(
-        model, "decode", wrapper, lambda path: _compile(wrapper, model, path, log), log
-    )
-    if loaded is None:
-        return None, False
-
-    def step(m: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: Any):
-        return loaded(ids, positions, *cache.k, *cache.v)
-
-    return step, cached
-
-
-def _compile(wrapper: _DecodeStep, model: nn.Module, path: Path, log) -> None:
-    from llmlib.runtime.static import StaticKVCache
-
-    cfg = model.config
-    cache = StaticKVCache(cfg, 1, 64, model.device, model.dtype)
-    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-    pos = torch.full((1, 1), 3, dtype=torch.long, device=model.device)
-    kv = [*cache.k, *cache.v]
-    slots = torch.export.Dim("slots", min=16, max=max(cfg.max_seq_len, 32))
-    shapes = {"ids": None, "positions": None, "kv": tuple({2: slots} for _ in kv)}
-    export_and_package(wrapper, model, (ids, pos, *kv), shapes, path, log, "the decode step")
 
 
 def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str) -> None:

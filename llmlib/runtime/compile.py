@@ -1,4 +1,4 @@
-"""How :class:`llmlib.generate.Generator` compiles its decode step, device by device.
+"""How the engine's fixed-shape step is compiled, device by device (:mod:`llmlib.engine.fixed_step`).
 
 Once the weights shrink to bfloat16, int8 or int4, a decode step on the CPU costs less in bytes
 than in the work around them: ATen's weight-only kernels are tuned for many rows, and every small
@@ -30,15 +30,14 @@ and choices on disk for the next process), constants a graph owns (the model kee
 weights for prefill), and a compiled step that no longer sees later changes to the weights.
 
 float32 keeps inductor's defaults: freezing would add another, blocked float32 copy of every
-matrix. On CUDA the step keeps inductor's defaults too (Triton kernels; :mod:`llmlib.runtime.static`
-captures graphs).
+matrix. On CUDA the step keeps inductor's defaults too (Triton kernels); there the fixed-shape step
+is captured as CUDA graphs instead (:mod:`llmlib.runtime.graphs`).
 """
 
 from __future__ import annotations
 
 import os
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +60,7 @@ CPU_OPTIONS: dict[str, Any] = {
 
 
 def compile_options(model: nn.Module) -> dict[str, Any] | None:
-    """The inductor options :func:`compile_decode` uses for ``model`` (None: the defaults)."""
+    """The inductor options :func:`compile_step` uses for ``model`` (None: the defaults)."""
     p = next(model.parameters())
     if p.device.type != "cpu":
         return None
@@ -118,9 +117,10 @@ def own_step(step: Callable) -> Callable:
 
     dynamo keeps a function's compiled graphs, and the guards that pick one, on its code object,
     whichever ``torch.compile`` wrapper called it. Once the guards on modules are dropped
-    (:func:`compile_decode`), two Generators sharing :func:`llmlib.generate.decode_step`'s code
-    could run one model's graph on the other's call; a private code object gives each compiled step
-    its own graphs (and spares each call the other models' guards).
+    (:func:`compile_step`), two engines on two models sharing
+    :func:`llmlib.engine.fixed_step.engine_forward`'s code could run one model's graph on the
+    other's call; a private code object gives each compiled step its own graphs (and spares each
+    call the other models' guards).
     """
     fn = types.FunctionType(
         step.__code__.replace(),
@@ -181,16 +181,16 @@ def inductor_cache_dir() -> str:
     return root
 
 
-def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
+def compile_step(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
     On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
     plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself: the one layout
     decision a compile changes, since a frozen graph keeps its own copy of every constant
-    anyway. Integer matrices stay as the loader stored them. The Generator (or engine) that
-    compiles owns its model's layout from then on, and its modules: the compiled step does not
-    check them again (:func:`own_step`). ``dynamic=True`` traces every size as a
-    symbol, so one graph serves every batch (:func:`compile_engine_step`).
+    anyway. Integer matrices stay as the loader stored them. The engine that compiles owns its
+    model's layout from then on, and its modules: the compiled step does not check them again
+    (:func:`own_step`). ``dynamic=True`` traces every size as a symbol, so one graph serves every
+    batch.
     """
     options = compile_options(model)
     prepare_inductor()
@@ -219,30 +219,3 @@ def compile_decode(step: Callable, model: nn.Module, *, dynamic: bool | None = N
             return compiled(*args, **kwargs)
 
     return compiled_step
-
-
-def engine_forward(
-    model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, step: Any
-) -> torch.Tensor:
-    """The batching engine's forward pass over one step: logits ``[rows, vocab]`` (what a
-    fixed-shape decode step runs, eagerly, compiled, or captured in a CUDA graph); for a step
-    with a ``heads`` buffer, only the rows it names, in its order."""
-    h = model.hidden(ids, positions, step)[0]
-    heads = getattr(step, "heads", None)
-    return model.logits(h if heads is None else h.index_select(0, heads))
-
-
-#: model -> its compiled engine step; every engine on the same model shares one
-_ENGINE_STEPS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
-
-
-def compile_engine_step(model: nn.Module) -> Callable:
-    """:func:`engine_forward` compiled for ``model``, with every size symbolic: one graph for every
-    batch size and history length of the engine's fixed-shape decode steps
-    (:class:`llmlib.engine.graphs.StaticDecodeStep`), with the options :func:`compile_decode`
-    chooses. Compiled once per model: another engine on the same model (a benchmark's next run)
-    reuses the graph instead of paying for the compile again. Nothing is traced until the first
-    call."""
-    if model not in _ENGINE_STEPS:
-        _ENGINE_STEPS[model] = compile_decode(engine_forward, model, dynamic=True)
-    return _ENGINE_STEPS[model]

@@ -9,10 +9,9 @@ launch, so the step costs what the GPU work costs.
 A graph replays exactly the recorded kernels on exactly the recorded memory. So a step must have
 a fixed shape and every input a fixed address: the step object holds its input buffers, a new
 step's values are copied into them before each replay, and one graph is captured per shape (a
-smaller step is padded up to the next captured one). :class:`StepGraphs` is that machinery, once,
-for both users: the one-request decode step over a static cache
-(:class:`llmlib.runtime.static.GraphedDecoder`) and the batching engine's decode steps over the
-paged pool (:class:`llmlib.engine.graphs.PagedDecodeGraphs`).
+smaller step is padded up to the next captured one). :class:`StepGraphs` is that machinery, for
+the engine's fixed-shape steps over the paged pool (:class:`llmlib.engine.fixed_step.FixedSteps`),
+which serve one request as they serve a batch.
 
 Off CUDA there is nothing to capture: the same fixed-shape steps run as they are (eagerly, or
 through a ``torch.compile`` graph, :mod:`llmlib.runtime.compile`), which is what the CPU tests

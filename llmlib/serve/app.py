@@ -109,6 +109,7 @@ def create_app(
             "status": "ok",
             "in_flight": engine.num_in_flight,
             "last_engine_error": None if failure is None else repr(failure),
+            "engine": engine.llm.engine_config.as_dict(),
         }
 
     @app.get("/v1/models")

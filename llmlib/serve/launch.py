@@ -69,45 +69,24 @@ def build_engine(
     dtype: str | None = None,
     quantization: str | None = None,
     max_queue: int = 1024,
-    **engine_kwargs: Any,
+    **engine_fields: Any,
 ):
     """Load a model into the async batching engine: ``(engine, model_id)``. ``max_queue`` is the
-    one bound on requests in flight (one more gets a 503). With neither a dtype nor a
-    quantization, the machine's fastest accurate format (:func:`llmlib.device.choose_format`)."""
+    one bound on requests in flight (one more gets a 503). The rest is the engine's
+    :class:`~llmlib.engine.config.EngineConfig`, resolved as ``LLM`` resolves it (with neither a
+    dtype nor a quantization, the machine's fastest accurate format for batches)."""
     from pathlib import Path
 
     from llmlib.checkpoints import resolve_model_path
-    from llmlib.device import choose_format
+    from llmlib.engine import AsyncLLM
+    from llmlib.engine.config import EngineConfig
 
     path = resolve_model_path(model)
     if quantization == "none":
         quantization, dtype = None, dtype or "float32"
-    place, quantization = choose_format(
-        device, dtype, quantization, gguf_blocks=Path(path).suffix == ".gguf", batched=True
-    )
-    if quantization is not None:
-        engine_kwargs["quantization"] = quantization
-    engine = _make_async_engine(
-        path, place.device, place.dtype, max_queue=max_queue, **engine_kwargs
-    )
+    config = EngineConfig(device=device, dtype=dtype, quantization=quantization, **engine_fields)
+    engine = AsyncLLM(str(path), config=config, max_queue=max_queue)
     return engine, Path(path).stem if Path(path).is_file() else Path(path).name
-
-
-def _make_async_engine(path: Any, device: Any, dtype: Any, **kw: Any) -> Any:
-    from llmlib.engine import AsyncLLM
-
-    return AsyncLLM(str(path), device=device, dtype=dtype, **kw)
-
-
-def serve_compiles(args: argparse.Namespace, spec: Any) -> bool:
-    """``--compile``/``--no-compile`` as given, else the default
-    (:func:`llmlib.device.compiles_by_default`)."""
-    if args.compile is not None:
-        return args.compile
-    from llmlib.device import compiles_by_default, pick_device
-
-    device, tp = pick_device(args.device), args.tensor_parallel_size > 1
-    return compiles_by_default(args.model, device, spec, tp, args.batch_invariant)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
-        compile=serve_compiles(args, spec),
-        **({"speculative_config": spec} if spec is not None else {}),
+        compile=args.compile,
+        speculative_config=spec,
     )
     name = args.served_model_name or name
     path = getattr(engine.llm.runner, "decode_path", "eager")
@@ -239,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         path += f" in {engine.llm.compile_s:.0f} s"
     what = "batch-invariant steps" if args.batch_invariant else "decode steps"
     print(f"llmlib serve: {what} {path}", flush=True)
+    print(f"llmlib serve: engine: {engine.llm.engine_config.describe()}", flush=True)
     app = create_app(
         engine.start(),
         name,

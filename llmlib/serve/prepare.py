@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmlib.engine.stopping import ContextLengthError, check_length
 from llmlib.prompts import CHATML, chat_text
 from llmlib.sampling import SamplingParams
 from llmlib.serve.client import EngineClient
@@ -94,6 +95,15 @@ def _schema(client: EngineClient, body: SamplingFields) -> dict | None:
     return schema
 
 
+def _fits(client: EngineClient, prompt_len: int, where: str) -> None:
+    """A 400 naming ``where`` unless the prompt leaves room in the context
+    (:func:`llmlib.engine.stopping.check_length`)."""
+    try:
+        check_length(prompt_len, 0, client.context_len)
+    except ContextLengthError as e:
+        raise bad(e.describe(where), where, "context_length_exceeded") from None
+
+
 def sampling(
     client: EngineClient,
     limits: Limits,
@@ -105,29 +115,20 @@ def sampling(
     """The request's :class:`SamplingParams`, with every bound that depends on the context."""
     ctx = client.context_len
     where = "messages" if chat else "prompt"
-    room = ctx - prompt_len
-    if room < 1:
-        raise bad(
-            f"the {where} is {prompt_len} tokens, which leaves no room in this model's context of "
-            f"{ctx} tokens",
-            where,
-            "context_length_exceeded",
-        )
     key = "max_tokens"
     max_tokens = body.max_tokens
     if chat and getattr(body, "max_completion_tokens", None) is not None:
         key, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
+        room = max(ctx - prompt_len, 1)
         max_tokens = min(room, limits.default_max_tokens) if chat else min(room, 16)
     if max_tokens < (0 if echo else 1):
         raise bad(f"'{key}' must be at least 1 (0 only with echo), got {max_tokens}", key)
-    if max_tokens > room:
-        raise bad(
-            f"'{key}' is {max_tokens}, but the prompt ({prompt_len} tokens) leaves only {room} of "
-            f"this model's context of {ctx} tokens",
-            key,
-            "context_length_exceeded",
-        )
+    try:
+        check_length(prompt_len, max_tokens, ctx)
+    except ContextLengthError as e:
+        field = where if e.field == "prompt" else key
+        raise bad(e.describe(where, f"'{key}'"), field, "context_length_exceeded") from None
     if body.n > limits.max_n:
         raise bad(f"'n' must be at most {limits.max_n}, got {body.n}", "n")
     if body.top_k == 0:
@@ -223,13 +224,7 @@ def completion(client: EngineClient, limits: Limits, body: CompletionRequest) ->
                 raise bad(f"'prompt' token ids must lie in 0..{client.vocab_size - 1}", "prompt")
             ids = list(one)
             texts.append(client.decode(ids) if body.echo else "")
-        if len(ids) >= client.context_len:
-            raise bad(
-                f"the prompt is {len(ids)} tokens; this model's context is {client.context_len} "
-                "tokens",
-                "prompt",
-                "context_length_exceeded",
-            )
+        _fits(client, len(ids), "prompt")
         ids_list.append(ids)
     if chars > limits.max_prompt_chars:
         raise bad(
@@ -276,13 +271,7 @@ def chat(client: EngineClient, limits: Limits, body: ChatCompletionRequest) -> P
     _refuse_unsupported(body)
     text = chat_prompt(client, limits, body.messages, body.add_generation_prompt)
     ids = _encode(client, text, "messages", allow_special=True)
-    if len(ids) >= client.context_len:
-        raise bad(
-            f"the conversation is {len(ids)} tokens; this model's context is "
-            f"{client.context_len} tokens",
-            "messages",
-            "context_length_exceeded",
-        )
+    _fits(client, len(ids), "messages")
     params = sampling(client, limits, body, len(ids), chat=True)
     stream, usage = _stream_flags(body)
     top = params.logprobs

@@ -1,0 +1,138 @@
+"""How an engine's steps run: the one choice, from its run mode to the step object.
+
+An engine's run mode (:data:`llmlib.engine.config.RUN_MODES`, resolved once in its
+:class:`~llmlib.engine.config.EngineConfig`) names how its steps run: eagerly, on fixed shapes
+(run as they are, replayed from CUDA graphs, or compiled), batch-invariant. :func:`pick_steps`
+turns it into the one :class:`Steps` object the runner calls; nothing else decides. Where a
+mode cannot run as asked (no package can be compiled here, no group size computes its rows
+alike), it says so in ``Steps.path`` and runs what can.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from llmlib.engine.fixed_step import FixedSteps, compiled_forward, engine_forward
+from llmlib.engine.paged_cache import PagedKVCache
+from llmlib.kernels.paged_attention import serves_spec
+
+
+@dataclass
+class Steps:
+    """How an engine's steps run, as :func:`pick_steps` chose them (the runner asks nothing else).
+
+    ``model`` runs the steps that no fixed shape serves (a row-tiled view of the engine's model
+    in the eager batch-invariant mode); ``decode`` serves all-decode steps on fixed shapes;
+    ``rows`` serves every step, in fixed groups (the compiled batch-invariant mode); ``invariant``
+    makes the eager steps batch-invariant. ``path`` says what runs (the timing line prints it),
+    ``compile_s`` what compiling cost this process."""
+
+    model: nn.Module
+    decode: FixedSteps | None = None
+    rows: Any = None  # llmlib.engine.invariant.InvariantRows
+    invariant: bool = False
+    path: str = "eager"
+    compile_s: float | None = None
+    in_memory: bool = False  # a graph compiled in memory, at its first call
+
+    @property
+    def scratch(self) -> bool:
+        """Whether the pool needs a scratch block (padding rows write into it)."""
+        return self.decode is not None or self.rows is not None
+
+    def compile_now(self, rows: int) -> float | None:
+        """Compile a graph compiled in memory now, before any request waits (on an all-padding
+        step of ``rows`` rows: inductor tunes its matrix kernels for the rows it first sees);
+        the seconds compiling took (None: it was loaded, or there is none)."""
+        if not self.in_memory or self.decode is None:
+            return self.compile_s
+        print("llmlib: compiling the engine's step (minutes on a small CPU)...", file=sys.stderr)
+        t0 = time.perf_counter()
+        self.decode.run_padding(rows)
+        self.in_memory, self.compile_s = False, time.perf_counter() - t0
+        return self.compile_s
+
+
+def scratch_blocks(mode: str) -> int:
+    """Blocks the pool holds beyond the block manager's: the scratch block of padding rows."""
+    return 0 if mode in ("eager", "invariant") else 1
+
+
+def pick_steps(
+    mode: str,
+    model: nn.Module,
+    cache: PagedKVCache,
+    *,
+    scratch_block: int,
+    max_rows: int,
+    max_blocks: int,
+    log: Callable[[str], None] | None = None,
+) -> Steps:
+    """The :class:`Steps` of run mode ``mode`` (:data:`llmlib.engine.config.RUN_MODES`) over
+    ``cache``: the one place that decides how an engine's steps run. ``scratch_block`` is the
+    pool's block past the block manager's; ``max_rows`` and ``max_blocks`` bound a fixed shape
+    (the engine's sequences per step, and a full context)."""
+    if mode in ("eager", "invariant"):
+        return _invariant_eager(model, None) if mode == "invariant" else Steps(model)
+    if mode == "invariant-compiled":
+        return _invariant_compiled(model, cache, scratch_block, max_blocks, log)
+    layers = getattr(model, "layers", ())
+    masked = not (cache.kernel and all(serves_spec(layer.attn.spec) for layer in layers))
+    limits = dict(
+        scratch_block=scratch_block, max_rows=max_rows, max_blocks=max_blocks, masked=masked
+    )
+    if mode == "compiled":
+        forward, path, seconds, in_memory = compiled_forward(model, cache, log)
+        decode = FixedSteps(forward, cache, **limits, min_size=2 if in_memory else 1, path=path)
+        return Steps(model, decode, path=path, compile_s=seconds, in_memory=in_memory)
+    if mode in ("fixed", "cuda-graphs"):
+        forward = functools.partial(engine_forward, model)
+        graphs = mode == "cuda-graphs"
+        if graphs and cache.device.type != "cuda":
+            raise ValueError("CUDA graphs need the KV pool on a CUDA device")
+        path = "CUDA graphs" if graphs else "fixed shapes"
+        return Steps(
+            model, FixedSteps(forward, cache, **limits, graphs=graphs, path=path), path=path
+        )
+    raise ValueError(f"pick_steps: no run mode {mode!r}")
+
+
+def _invariant_eager(model: nn.Module, why: str | None) -> Steps:
+    """Every product in fixed row tiles, on a view sharing the weights, and attention in an
+    order fixed by each query's position (:class:`llmlib.engine.invariant.InvariantStep`)."""
+    from llmlib.engine.invariant import ROW_CHOICES, ROW_TILE
+    from llmlib.kernels.prepare import row_tiled
+
+    path = (
+        "eager" if why is None else f"eager ({why}, so the batch-invariant steps are not compiled)"
+    )
+    return Steps(row_tiled(model, ROW_TILE, ROW_CHOICES[1:]), invariant=True, path=path)
+
+
+def _invariant_compiled(model, cache, scratch_block, max_blocks, log) -> Steps:
+    """Every token a row of a fixed-size group through the compiled step
+    (:class:`llmlib.engine.invariant.InvariantRows`), where its sizes compute every row alike;
+    else the eager batch-invariant steps, with the reason in ``path``."""
+    from llmlib.engine.invariant import InvariantRows, rows_compile
+
+    why = rows_compile(model, cache)
+    if why is not None:
+        return _invariant_eager(model, why)
+    forward, path, seconds, in_memory = compiled_forward(model, cache, log)
+    rows = InvariantRows(forward, cache, scratch_block, max_blocks)
+    t0 = time.perf_counter()
+    if in_memory:
+        print("llmlib: compiling the engine's step (minutes on a small CPU)...", file=sys.stderr)
+    why = rows.settle()  # runs the graph: one compiled in memory compiles here
+    if in_memory:
+        seconds = time.perf_counter() - t0
+    if why is not None:
+        return _invariant_eager(model, why)
+    return Steps(model, rows=rows, invariant=True, path=path, compile_s=seconds)
