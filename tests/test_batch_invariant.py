@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from llmlib.analysis.invariance import measure
 from llmlib.config import ModelConfig
 from llmlib.engine import LLM
+from llmlib.engine.fixed_step import engine_forward
 from llmlib.engine.invariant import InvariantStep
 from llmlib.kernels import paged_attention
 from llmlib.kernels.flags import forced
@@ -246,13 +248,19 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
     ref = runner.forward_packed(chunks[:2] + chunks[3:], ids[:53] + ids[65:], [22, 52, 53])
     ref_2nd = runner.forward_packed(chunks[2:3], ids[53:65], [11])
     rows = InvariantRows(
-        runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10, prompt_rows=32
+        partial(engine_forward, runner.model),
+        runner.cache,
+        scratch_block=39,
+        max_blocks=10,
+        prompt_rows=32,
     )
     got = rows.run(chunks, ids, select)
     assert torch.equal(got[[0, 1, 3]], ref) and torch.equal(got[2:3], ref_2nd)
     assert len(rows._steps) == 2  # tables of 8 and 16 blocks: rounded up to powers of two
     # by default a prompt's tokens go in 128-row groups: other sums, near the same logits
-    both = InvariantRows(runner._forward_rows, runner.cache, scratch_block=39, max_blocks=10)
+    both = InvariantRows(
+        partial(engine_forward, runner.model), runner.cache, scratch_block=39, max_blocks=10
+    )
     near = both.run(chunks, ids, select)
     assert sorted({key[0] for key in both._steps}) == [32, 128]
     torch.testing.assert_close(near, got, atol=0.05, rtol=0.02)
@@ -263,7 +271,7 @@ def test_the_groups_compute_what_the_eager_invariant_step_does(dtype):
 
     def counted(*args):
         calls.append(args[2].num_rows)
-        return runner._forward_rows(*args)
+        return partial(engine_forward, runner.model)(*args)
 
     two = InvariantRows(counted, runner.cache, 39, 10, rows=2, prompt_rows=32)
     assert torch.equal(two.run(chunks, ids, many)[[3, 6, 8, 9]], got)
@@ -285,7 +293,7 @@ def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
     seen = []
 
     def skewed(ids, positions, step):
-        out = runner._forward_rows(ids, positions, step)
+        out = partial(engine_forward, runner.model)(ids, positions, step)
         seen.append(out.shape[0])
         if out.shape[0] == 32:
             out[30:] = out[30:] * (1 + 2**-20)  # the last two rows' sums in another order
@@ -295,7 +303,7 @@ def test_the_groups_take_sizes_whose_rows_the_graph_computes_alike():
         rows = InvariantRows(forward, runner.cache, scratch_block=39, max_blocks=10)
         return rows.settle(), rows.rows, rows.prompt_rows
 
-    assert rows_of(runner._forward_rows) == (None, ROW_TILE, PROMPT_TILE)
+    assert rows_of(partial(engine_forward, runner.model)) == (None, ROW_TILE, PROMPT_TILE)
     assert rows_of(skewed) == (None, 48, PROMPT_TILE)
     assert seen == [32, 48, 128, 48]  # a prompt group, with the LM head on all rows and on 48
     broken = rows_of(lambda *a: skewed(*a) * (1 + 2**-20 * torch.arange(len(a[0][0]))[:, None]))

@@ -137,7 +137,9 @@ def test_small_pool_forces_preemption_and_still_matches(model, tok, workload, re
 @pytest.mark.parametrize("num_blocks", [1024, 48])
 def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, reference, num_blocks):
     """The CUDA-graph path (fixed-shape decode steps, padded rows writing a scratch block) run
-    eagerly on the CPU: the same tokens, with and without preemption, and every block comes back."""
+    eagerly on the CPU: the same tokens, with and without preemption, and every block comes back.
+    The steps that carry prompt chunks ran through the same fixed-shape step, every token a row
+    (where the attention kernel runs)."""
     prompts, max_tokens = workload
     llm = LLM(
         model,
@@ -155,6 +157,8 @@ def test_fixed_shape_decode_steps_match_the_generator(model, tok, workload, refe
     assert graphs is not None and not graphs.steps.enabled and graphs.replays == 0
     assert graphs.static_steps > 0, "no step went through the fixed-shape path"
     assert len(graphs.steps.entries) > 1  # several (rows, blocks) buckets were used
+    if not graphs.masked:  # the kernel serves this model's attention: prompt steps as rows
+        assert graphs.token_steps > 0 and graphs.static_steps == llm.stats().forward_passes
     assert llm.block_manager.num_free_blocks == num_blocks
     assert llm.runner.cache.num_blocks == num_blocks + 1  # the scratch block, never handed out
     assert llm.stats().preemptions > 0 if num_blocks == 48 else llm.stats().preemptions == 0
@@ -209,9 +213,9 @@ def test_fixed_step_padding_touches_only_the_scratch_block():
     assert torch.equal(cache.k[0][2][0], k[0, :, 1])  # row 1: position 0 of block 2
     untouched = [b for b in range(5) if b not in (1, 2)]
     assert all((cache.k[0][b] == 0).all() for b in untouched)
-    with pytest.raises(ValueError, match="chunks for a step of 4 rows"):
+    with pytest.raises(ValueError, match="does not fit a step of 4 x 2 blocks"):
         step.fill([SeqChunk([0], 0, 1)] * 5, [1] * 5)
-    with pytest.raises(ValueError, match="within 2 blocks"):
+    with pytest.raises(ValueError, match="does not fit a step of 4 x 2 blocks"):
         step.fill([SeqChunk([0, 1, 2], 9, 1)], [1])
 
 

@@ -109,7 +109,7 @@ def test_one_fixed_shape_step_module_and_one_stopping_module():
     for p in PKG.rglob("*.py"):
         rel = str(p.relative_to(PKG))
         text = p.read_text()
-        if _defines(ast.parse(text), {"attend", "load"}):
+        if _defines(ast.parse(text), {"attend", "fill"}):
             fixed.append(rel)
         if re.search(r'(return|=)\s*"(length|stop)"', text) and rel != "engine/stopping.py":
             decides.append(rel)

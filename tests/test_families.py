@@ -344,10 +344,7 @@ def test_caches_with_windows_equal_recomputation(saved, family: str) -> None:
 
         def fixed(t0: int, t1: int) -> torch.Tensor:  # block 16: the scratch block
             step = FixedStep(fixed_pool, t1 - t0 + 1, 8, 16)  # and one padding row
-            pos = torch.arange(t0, t1)
-            tab = torch.tensor(table)[None].expand(t1 - t0, -1)
-            slots = tab.gather(1, (pos // 4)[:, None])[:, 0] * 4 + pos % 4
-            step.load(ids[0, t0:t1], pos, slots, tab)
+            step.fill([SeqChunk(table, t0, t1 - t0)], ids[0, t0:t1].tolist())
             return model(step.ids, step.positions, step)[:, : t1 - t0]
 
         class UpdateOnly(

@@ -195,6 +195,18 @@ def test_one_reader_of_the_cpu_and_one_file_hasher() -> None:
     assert cpuinfo == [] and hashers == []
 
 
+def test_no_kernel_asks_whether_it_is_being_compiled() -> None:
+    """Which kernel multiplies a matrix is the load-time choice (llmlib.kernels.prepare) and the
+    class's one ``linear``; what a compiled graph multiplies instead comes from one conversion
+    pass before compiling (``graph_view``), never from a branch inside a kernel."""
+    asking = [
+        str(p.relative_to(ROOT))
+        for p in (PKG / "kernels").rglob("*.py")
+        if "is_compiling" in p.read_text()
+    ]
+    assert asking == []
+
+
 def _sets_env(path: Path, name: str) -> bool:
     """The sanctioned uses elsewhere: the parallel driver hands its ranks the variables that make
     them start the way it asks, and the start benchmark gives the `llmlib` it times a cache of its

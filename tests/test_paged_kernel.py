@@ -143,7 +143,7 @@ def test_fixed_step_kernel_same_as_masked_attention(dtype, window) -> None:
     masked attention over the gathered blocks, for rows at different positions (prompt tokens
     of one sequence and decode rows of others, every token a row) and padding rows."""
     from llmlib.engine.fixed_step import FixedStep
-    from llmlib.engine.paged_cache import PagedKVCache
+    from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 
     torch.manual_seed(0)
     H, Hkv, D, bs = 6, 2, 16, 4
@@ -152,18 +152,16 @@ def test_fixed_step_kernel_same_as_masked_attention(dtype, window) -> None:
     for p in pools[1:]:
         p.k[0].copy_(pools[0].k[0].normal_())
         p.v[0].copy_(pools[0].v[0].normal_())
-    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 4]])
-    rows = [(0, p) for p in range(6, 10)] + [(1, 13), (1, 2)]  # (sequence, position)
-    pos = torch.tensor([p for _, p in rows])
-    tab = tables[[s for s, _ in rows]]
-    slots = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    tables = [[3, 7, 1, 0], [5, 2, 9, 4]]
+    # a prompt chunk of sequence 0 (positions 6..9), two decode rows of sequence 1
+    chunks = [SeqChunk(tables[0], 6, 4), SeqChunk(tables[1], 13, 1), SeqChunk(tables[1], 2, 1)]
     q = torch.randn(1, H, 8, D).to(dtype)
     k, v = (torch.randn(1, Hkv, 8, D).to(dtype) for _ in range(2))
     spec = AttentionSpec(window=window)
     out = []
     for pool in pools:
         step = FixedStep(pool, 8, 4, scratch_block=12, masked=not pool.kernel)
-        step.load(torch.zeros(6, dtype=torch.long), pos, slots, tab)  # 6 real rows, 2 padding
+        step.fill(chunks, [0] * 6)  # 6 real rows, 2 padding
         out.append(step.attend(0, q, k, v, spec)[:, :, :6])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[0].float(), out[1].float(), atol=tol, rtol=0)

@@ -380,52 +380,51 @@ def test_int8_bfloat16_on_widths_the_kernel_mishandles(k: int, m: int) -> None:
 
 @_needs_onednn_bf16
 def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
-    """oneDNN's opaque bfloat16 layout reaches a graph compiled with inductor's defaults through
-    ``llmlib::onednn_linear``: one graph (no breaks), the eager logits, and the bench accepts
-    ``bfloat16+compile``."""
+    """oneDNN's opaque bfloat16 layout never reaches a graph: the graph's view of the model
+    (:func:`llmlib.runtime.compile.graph_view`) holds the same numbers as plain matrices and
+    plain norms, sharing every other tensor, and leaves the model as it was. Compiled over the
+    view with inductor's defaults: one graph (no breaks), the eager logits; and the bench
+    accepts ``bfloat16+compile``."""
     from torch._dynamo.utils import counters
 
     from llmlib.bench.formats import parse_formats
+    from llmlib.kernels.norm import FusedRMSNorm
     from llmlib.kernels.onednn import OneDNNWeight
+    from llmlib.kernels.weights import PlainWeight
     from llmlib.model.kv_cache import KVCache
-    from llmlib.runtime.compile import plain_bfloat16
+    from llmlib.runtime.compile import graph_view
 
     cfg = TINY.replace(vocab_size=300)
     model = random_model(cfg, "cpu", torch.bfloat16)
     prepare(model)
     assert isinstance(model.layers[0].ffn.w_gate_up.weight, OneDNNWeight)
+    view = graph_view(model)
+    dense = {n: m.weight for n, m in weight_matrices(model).items()}
+    for name, mod in weight_matrices(view).items():
+        w = mod.weight
+        if isinstance(dense[name], OneDNNWeight):
+            assert isinstance(w, PlainWeight) and torch.equal(w.w, dense[name].dequantize())
+        else:  # the same tensors: nothing else is copied
+            assert w is dense[name] or w.data_ptr() == dense[name].data_ptr()
+    assert not any(isinstance(m, FusedRMSNorm) for m in view.modules())
+    assert isinstance(model.layers[0].ffn.w_gate_up.weight, OneDNNWeight)  # the model as it was
 
     def decode_step(model, ids, positions, cache):
         return model(ids, positions, cache, last_only=True)
 
-    def step(fn):
+    def step(m, fn):
         cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 16, cfg.head_dim, dtype=torch.bfloat16)
         with torch.inference_mode():
-            model(torch.tensor([[5, 7, 9]]), torch.arange(3)[None], cache)
-            return fn(model, torch.tensor([[11]]), torch.tensor([[3]]), cache)
+            m(torch.tensor([[5, 7, 9]]), torch.arange(3)[None], cache)
+            return fn(m, torch.tensor([[11]]), torch.tensor([[3]]), cache)
 
-    eager = step(decode_step)
+    eager = step(model, decode_step)
     torch._dynamo.reset()
     counters.clear()
-    compiled = step(torch.compile(decode_step))
+    compiled = step(view, torch.compile(decode_step))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.allclose(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
-    # a copy names its own matrix (the compiled operator finds matrices by that name)
-    import copy
-
-    from llmlib.kernels.onednn import _ONEDNN_WEIGHTS
-
-    w = model.layers[0].ffn.w_gate_up.weight
-    w2 = copy.copy(w)
-    assert w.handle != w2.handle and _ONEDNN_WEIGHTS[w2.handle] is w2
     assert parse_formats("float32,bfloat16+compile") == [("float32", False), ("bfloat16", True)]
-    # the CPU compile (llmlib.runtime.compile) hands the graph plain matrices to freeze
-    dense = {n: m.weight.dequantize() for n, m in weight_matrices(model).items() if n != "embed"}
-    assert plain_bfloat16(model) == len(dense) > 0
-    for name, mod in weight_matrices(model).items():
-        assert not isinstance(mod.weight, OneDNNWeight)
-        if name in dense:
-            assert torch.equal(mod.weight, dense[name])
 
 
 def test_engine_compiles_cpu_int8_frozen() -> None:
@@ -505,7 +504,7 @@ def test_two_compiled_generators_keep_their_own_graphs() -> None:
     not the first's graph, nor the first's codes out of inductor's cache (this tiny model's
     widths leave some int8 matrices to inductor's kernels: codes_left_to_inductor)."""
     from llmlib.model.kv_cache import KVCache
-    from llmlib.runtime.compile import codes_left_to_inductor, compile_step
+    from llmlib.runtime.compile import codes_left_to_inductor, compile_step, graph_view
 
     def decode_step(model, ids, positions, cache):
         return model(ids, positions, cache, last_only=True)
@@ -533,13 +532,14 @@ def test_two_compiled_generators_keep_their_own_graphs() -> None:
         return compile_(fn, **kw)
 
     steps = []
+    views = [graph_view(m) for m in models]  # what a graph runs: llmlib.runtime.compile
     with mock.patch.object(torch, "compile", spy):
-        for m in models:
-            steps.append(compile_step(decode_step, m))
+        for v in views:
+            steps.append(compile_step(decode_step, v))
     assert filters == [torch.compiler.skip_guard_on_all_nn_modules_unsafe] * 2
     assert codes_left_to_inductor(models[0]) > 0
-    got = [step(m, s) for m, s in zip(models, steps)]
-    want = [step(m, decode_step) for m in models]  # eager, on the layouts compiling made
+    got = [step(v, s) for v, s in zip(views, steps)]
+    want = [step(m, decode_step) for m in models]  # eager, on the model's own layouts
     assert not torch.allclose(want[0], want[1], atol=1e-2)  # the two models differ
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=2e-2, rtol=2e-2)

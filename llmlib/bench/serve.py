@@ -174,18 +174,29 @@ def sweep(
     long_words: int = 1200,
     slo: tuple[float, float] = (2000.0, 300.0),
     label: str = "",
+    warmup: int = 0,
 ) -> list[dict[str, Any]]:
-    """Run every level against ``url`` (after a warm-up request) and return their metrics."""
+    """Run every level against ``url`` (after a warm-up request, and ``warmup`` requests of the
+    workload's own shape sent at once: first calls of every step shape paid before timing) and
+    return their metrics."""
     model = served_model(url)
     warm = [Req(p, 4) for p in make_prompts(2, 8, seed)]
     _run(run_level(url, model, warm, concurrency=1))  # warm-up, not counted
+    if warmup:
+        reqs = make_requests(warmup, prompt_words, max_tokens, range_ratio, seed + 1)
+        _run(run_level(url, model, reqs, rate=math.inf, seed=seed))
     levels: list[tuple[int | None, float | None]] = [(c, None) for c in concurrencies] + [
         (None, r) for r in rates
     ]
     out = []
-    for c, r in levels:
+    for i, (c, r) in enumerate(levels):
         n = num_prompts or max(4, 2 * (c or 4))
-        reqs = make_requests(n, prompt_words, max_tokens, range_ratio, seed, long_every, long_words)
+        # each level's own prompts: the server's prefix cache keeps a level's prompts, and the
+        # same prompts sent again would be read from it, not prefilled (a later level, faster)
+        level_seed = seed + 1000 * (i + 1)
+        reqs = make_requests(
+            n, prompt_words, max_tokens, range_ratio, level_seed, long_every, long_words
+        )
         m = _run(
             run_level(
                 url, model, reqs, concurrency=c, rate=r, burstiness=burstiness, seed=seed, slo=slo
@@ -291,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch CPU threads of the server it starts"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="requests of the workload's shape sent at once before the levels, not counted",
+    )
     ap.add_argument("--json", default=None, help="write the metrics to this file")
     ap.add_argument("--plot", default=None, help="save the figure to this file (.png)")
     args = ap.parse_args(argv)
@@ -330,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         long_every=args.long_every if args.compare_chunked_prefill else 0,
         long_words=long_words,
         slo=(args.slo_ttft_ms, args.slo_tpot_ms),
+        warmup=args.warmup,
     )
     results: list[dict[str, Any]] = []
     print(HEADER, flush=True)

@@ -93,11 +93,14 @@ def load_model(
     """Load a Hugging Face folder or a ``.gguf`` file as a :class:`Transformer` in eval mode.
 
     Defaults: CUDA and bfloat16 when a GPU is visible, else the CPU and float32
-    (:func:`llmlib.device.choose`). ``quantization``: ``None`` (weights in ``dtype``), ``"int8"``
-    (one scale per output channel), ``"int4"`` (``group_size`` weights per scale and zero point)
-    or ``"gguf"`` (a GGUF file's own blocks as codes, :mod:`llmlib.checkpoints.repack`, never
-    re-quantized); the weights are then held only in the packed layout, and ``dtype`` is the
-    activations' (bfloat16 by default where the kernels are fast, :func:`llmlib.device.pick_dtype`).
+    (:func:`llmlib.device.choose`): the plain format the chapters compare against, where
+    ``llmlib.LLM(path)`` and the ``llmlib`` commands pick the machine's fastest accurate format
+    for their work (``weight_format`` says which each loaded). ``quantization``: ``None``
+    (weights in ``dtype``), ``"int8"`` (one scale per output channel), ``"int4"``
+    (``group_size`` weights per scale and zero point) or ``"gguf"`` (a GGUF file's own blocks
+    as codes, :mod:`llmlib.checkpoints.repack`, never re-quantized); the weights are then held
+    only in the packed layout, and ``dtype`` is the activations' (bfloat16 by default where the
+    kernels are fast, :func:`llmlib.device.pick_dtype`).
     Each matrix is read from the file when it is packed, so the float weights of a quantized
     model never exist whole (``progress``: a bar per matrix, by default for files over a GB).
     ``plain=True`` keeps float matrices as ordinary ``nn.Linear`` weights (the model as the

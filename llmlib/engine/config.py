@@ -1,25 +1,20 @@
 """``EngineConfig``: everything :class:`llmlib.LLM` runs with, asked for once and resolved once.
 
-A user asks for a few things (a format, a pool size, whether to compile) and leaves the rest to
-the machine. Every one of those defaults is decided here, in one place, from three sources: the
-arguments, the flags record (:mod:`llmlib.kernels.flags`: the CPU and the ``LLMLIB_*`` switches)
-and the machine (its device, its free memory). ``LLM``, the ``llmlib`` commands and the server
-all build an :class:`EngineConfig` and hand it to ``LLM``; nothing downstream picks a default of
-its own. Resolution takes two steps, because some answers need the loaded model:
+Every default of the engine is decided here, from the arguments, the flags record
+(:mod:`llmlib.kernels.flags`: the CPU and the ``LLMLIB_*`` switches) and the machine (its
+device, its free memory). ``LLM``, the ``llmlib`` commands and the server all hand ``LLM`` an
+:class:`EngineConfig`; nothing downstream picks a default of its own. Two steps, because some
+answers need the loaded model:
 
 * :meth:`EngineConfig.with_format`, before loading: the device, the activations' dtype and the
-  weight format (:func:`llmlib.device.choose_format`). An engine of one sequence
-  (``max_num_seqs=1``, what ``llmlib generate`` and ``chat`` run) gets the format that decodes
-  one request fastest; a batching engine the one that serves batches fastest. The two differ on
-  some CPUs (on one with native bfloat16, the file's own blocks for one request, bfloat16
-  matrices for batches), so ``LLM(path)`` and ``load_model(path)`` may load the same file in
-  different formats: each says which it chose (``weight_format``).
-* :meth:`EngineConfig.resolved`, after: the context length, the pool's size, the step's token
-  budget and the *run mode*, how a step runs (:data:`RUN_MODES`; the step object itself is made
-  by :func:`llmlib.engine.fixed_step.pick_steps`).
+  weight format (:func:`llmlib.device.choose_format`): for an engine of one sequence
+  (``max_num_seqs=1``: ``llmlib generate`` and ``chat``) the one that decodes one request
+  fastest, else the one that serves batches fastest;
+* :meth:`EngineConfig.resolved`, after: the context length, the pool, the step's token budget
+  and the *run mode*, how a step runs (:data:`RUN_MODES`, turned into the step object by
+  :func:`llmlib.engine.run_mode.pick_steps`).
 
-The resolved config is frozen and printable: the timing line of ``llmlib generate`` and the
-server's ``/health`` show :meth:`describe`.
+The timing line of ``llmlib generate`` and the server's ``/health`` print the resolved config.
 """
 
 from __future__ import annotations
@@ -30,32 +25,20 @@ from typing import Any
 
 import torch
 
-#: How the engine's steps run, one name each:
-#: ``eager`` every step as the model's plain forward pass over the paged step;
-#: ``fixed`` all-decode steps on fixed shapes, run as they are (a CPU asked for ``cuda_graphs``:
-#: what the tests exercise of the GPU path);
-#: ``cuda-graphs`` those steps replayed from CUDA graphs;
-#: ``compiled`` those steps through one compiled graph (kept on disk for a model from a file);
-#: ``invariant`` every step batch-invariant, eager (:mod:`llmlib.engine.invariant`);
-#: ``invariant-compiled`` every token a row of a fixed-size group through the compiled graph.
+#: How the engine's steps run: ``eager`` (the model's forward pass over the paged step);
+#: ``fixed`` (all-decode and short prompt steps on fixed shapes, run as they are: a CPU asked for
+#: ``cuda_graphs``); ``cuda-graphs`` (all-decode steps replayed from CUDA graphs); ``compiled``
+#: (fixed shapes through one compiled graph, kept on disk for a model from a file);
+#: ``invariant`` and ``invariant-compiled`` (batch-invariant, :mod:`llmlib.engine.invariant`).
 RUN_MODES = ("eager", "fixed", "cuda-graphs", "compiled", "invariant", "invariant-compiled")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What :class:`llmlib.LLM` runs with (see the module docstring). ``None`` means "the
-    default": :meth:`with_format` and :meth:`resolved` fill every such field.
-
-    ``device``, ``dtype``, ``quantization`` (and int4's ``group_size``): where and in which
-    format (:func:`llmlib.load_model`).
-    ``num_blocks`` x ``block_size``: the KV pool (default: ``kv_cache_bytes`` worth, else from the
-    memory left after loading, :func:`default_num_blocks`). ``max_num_seqs``: sequences per step;
-    ``max_num_batched_tokens``: tokens per step; ``max_model_len``: prompt plus output.
-    ``compile``: the CPU's decode steps through a compiled graph; ``cuda_graphs``: replayed on a
-    GPU; ``batch_invariant``: logits bitwise the same in any batch. ``tensor_parallel_size``,
-    ``tp_options``: sharding (:mod:`llmlib.parallel`); ``speculative_config``: a
-    :class:`~llmlib.speculative.SpeculativeConfig`.
-    """
+    """What :class:`llmlib.LLM` runs with; ``None`` means "the default", which :meth:`with_format`
+    and :meth:`resolved` fill. The fields are ``LLM``'s keyword arguments (its docstring); the
+    pool defaults to ``kv_cache_bytes`` worth, else to the memory left after loading
+    (:func:`default_num_blocks`)."""
 
     device: Any = None
     dtype: Any = None
@@ -79,31 +62,21 @@ class EngineConfig:
     run_mode: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
+        needed = ("block_size", "max_num_seqs", "tensor_parallel_size")
+        optional = ("num_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes")
+        for name in needed + optional:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if (v is not None or name in needed) and (
+                isinstance(v, bool) or not isinstance(v, int) or v <= 0
+            ):
                 raise ValueError(f"EngineConfig: {name} must be a positive integer, got {v!r}")
-        for name in ("num_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(
-                    f"EngineConfig: {name} must be a positive integer or None, got {v!r}"
-                )
         if self.run_mode is not None and self.run_mode not in RUN_MODES:
             raise ValueError(f"EngineConfig: run_mode must be one of {RUN_MODES}")
-        if self.tensor_parallel_size != 1 and (
-            self.quantization is not None or self.batch_invariant or self.compile
-        ):
-            what = (
-                "compile=True"
-                if self.compile
-                else f"quantization={self.quantization!r}"
-                if self.quantization
-                else "batch_invariant=True"
-            )
+        asked = [k for k in ("compile", "quantization", "batch_invariant") if getattr(self, k)]
+        if self.tensor_parallel_size != 1 and asked:
             raise ValueError(
-                f"LLM: {what} with tensor_parallel_size={self.tensor_parallel_size}: "
-                "not implemented for sharded ranks, for now"
+                f"LLM: {asked[0]}={getattr(self, asked[0])!r} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: not implemented for sharded ranks, for now"
             )
 
     @classmethod
@@ -212,11 +185,8 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as plain values (for ``/health`` and records)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
-        return out
+        plain = (bool, int, float, str, type(None))
+        return {k: v if isinstance(v, plain) else str(v) for k, v in vars(self).items()}
 
 
 def default_num_blocks(
@@ -228,11 +198,10 @@ def default_num_blocks(
     max_num_seqs: int,
     kv_cache_bytes: int | None,
 ) -> int:
-    """The KV pool's size when no ``num_blocks`` is given: ``kv_cache_bytes`` worth, never more
-    than ``max_num_seqs`` full-length sequences (plus one block each) could use. By default it is
-    sized from the memory left once the weights are loaded: 80% of what is free on a GPU; on a CPU
-    1 GiB, or half of what the system has left if that is less (a big model on a small machine
-    gets the pool that fits beside it, not an out-of-memory kill)."""
+    """The KV pool's size when no ``num_blocks`` is given: ``kv_cache_bytes`` worth (by default
+    80% of what is free on a GPU; on a CPU 1 GiB, or half of what is left if less: a big model
+    on a small machine gets the pool that fits beside it), never more than ``max_num_seqs``
+    full-length sequences (plus one block each) could use."""
     from llmlib.device import free_memory
     from llmlib.shapes import kv_cache_bytes as kv_formula
 

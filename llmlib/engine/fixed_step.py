@@ -1,29 +1,17 @@
-"""The engine's fixed-shape step, and the one choice of how every step runs.
+"""The engine's fixed-shape step: the one module of them, for one request and for sixty-four.
 
-This is the one module of fixed-shape steps: one request (``llmlib generate``) and a batch of
-sixty-four run the same step here, as in vLLM and nano-vllm, whatever makes it fast.
-
-A step in which every running sequence decodes one token is a few hundred small operators. Two
-things make it fast, and both need it to have a *fixed shape*: the same tensors at the same
-addresses, whatever the batch and the histories' lengths.
-
-* On a GPU, a CUDA graph records the step once and replays it with one launch
-  (:class:`llmlib.runtime.graphs.StepGraphs`), where the CPU would otherwise spend longer
-  launching the kernels than the GPU spends running them.
-* On a CPU, inductor compiles the step into one graph, fusing each layer's small operators and
-  picking its own matrix kernels (:mod:`llmlib.runtime.compile`). For a model loaded from a file
-  the graph is exported once per machine with every size symbolic and kept on disk
-  (:mod:`llmlib.runtime.aot`): one package serves every batch size and history length, and later
-  starts load it in a second.
+A decode step is a few hundred small operators. Two things make it fast, and both need a *fixed
+shape* (the same tensors at the same addresses, whatever the batch): on a GPU a CUDA graph
+replays the step with one launch (:class:`llmlib.runtime.graphs.StepGraphs`); on a CPU inductor
+compiles it into one graph (:mod:`llmlib.runtime.compile`), exported once per machine with its
+sizes symbolic and kept on disk (:mod:`llmlib.runtime.aot`), beside a package for the step of one
+row, which ``llmlib generate`` runs for every token.
 
 :class:`FixedStep` is such a step over the paged pool: ``rows`` tokens, each a row with its own
-position, write slot, block table and key count, in buffers allocated once; :meth:`FixedStep.fill`
-copies a new step's values into them. :class:`FixedSteps` keeps one per shape (rows and blocks,
-each rounded up to a power of two). The batch-invariant mode feeds every token of a step through
-the same step, in groups of fixed size (:class:`llmlib.engine.invariant.InvariantRows`).
-
-Which of these runs an engine's steps is decided in one place,
-:func:`llmlib.engine.run_mode.pick_steps`.
+position, write slot, block table and key count, in buffers allocated once and refilled each step
+(:meth:`FixedStep.fill`). :class:`FixedSteps` keeps one per shape, rounded up, and serves
+all-decode steps and, where they fit, steps with prompt chunks too. Which runs an engine's steps
+is decided in one place: :func:`llmlib.engine.run_mode.pick_steps`.
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,7 +60,7 @@ class FixedStep:
     Every token is a row: its id, its position, the pool slot its keys and values go to, its
     sequence's block table (``blocks`` wide) and how many keys it sees. All of it lives in
     buffers allocated once (a :class:`~llmlib.engine.paged_cache.StepLayout` with one decode
-    group); :meth:`fill` or :meth:`load` writes a new step's values into them, so a graph
+    group); :meth:`fill` writes a new step's values into them, so a graph
     captured over this step reads the new values on replay. Rows past the real ones are padding:
     they write into ``scratch_block``, a block the block manager never hands out, and read only
     its first slot.
@@ -83,7 +72,7 @@ class FixedStep:
 
     Only the rows the ``heads`` buffer names get logits (by default every row, in order).
     ``masked=False`` promises that the kernel serves every layer's attention, so the masks are
-    never read and :meth:`load` leaves them as they are.
+    never read and :meth:`fill` leaves them as they are.
     """
 
     def __init__(
@@ -132,7 +121,7 @@ class FixedStep:
         self._key_pos = torch.arange(blocks * bs, device=dev)
         #: the rows whose logits the step returns, in order
         self.heads = buf["heads"]
-        #: whether :meth:`load` keeps the masks: where some attention is not the kernel's
+        #: whether :meth:`fill` keeps the masks: where some attention is not the kernel's
         self.masked = masked or not cache.kernel
 
     @classmethod
@@ -197,52 +186,44 @@ class FixedStep:
         )  # fmt: skip
         return o.transpose(0, 1).unsqueeze(0)  # [1, H, rows, hd]
 
-    def fill(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> None:
-        """Write one step's single-token chunks and their input tokens into the buffers."""
-        n, bs, nb = len(chunks), self.cache.block_size, self.num_blocks
-        if not 0 < n <= self.num_rows:
-            raise ValueError(f"FixedStep: {n} chunks for a step of {self.num_rows} rows")
-        a = self._np
-        table = a["table"].reshape(self.num_rows, nb)
-        pos, slots = a["positions"][0], a["slots"]
-        for i, c in enumerate(chunks):
-            p = c.start
-            need = p // bs + 1
-            if c.length != 1 or need > nb or len(c.block_table) < need:
-                raise ValueError(f"FixedStep: chunk {c} is not one token within {nb} blocks")
-            row = table[i]
-            row[:need] = c.block_table[:need]
-            row[need:] = self.scratch_block
-            pos[i] = p
-            slots[i] = c.block_table[need - 1] * bs + p % bs
-        a["ids"][0, :n] = token_ids[:n]
-        self._pad(n)
-
-    def load(
+    def fill(
         self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        table: torch.Tensor,
-        heads: torch.Tensor | None = None,
+        chunks: Sequence[SeqChunk],
+        token_ids: Sequence[int],
+        heads: Sequence[int] | None = None,
     ) -> None:
-        """Write one step's ``k`` real rows into the buffers: token ids, positions and write
-        slots ``[k]``, block tables ``[k, <= blocks]``. The other rows are padding: token 0 at
-        position 0 of the scratch block, which no sequence owns; the key counts (and, where
-        attention reads them, the masks) follow from the positions (padding rows: key 0 only).
-        ``heads``: the rows to return logits for, first in the buffer (the rest of it: row 0, its
-        logits unread); None leaves the buffer as it is."""
-        k, a = len(ids), self._np
-        table_np = a["table"].reshape(self.num_rows, self.num_blocks)
-        a["ids"][0, :k] = ids.numpy()
-        a["positions"][0, :k] = pos.numpy()
-        a["slots"][:k] = slots.numpy()
-        table_np[:k, : table.shape[1]] = table.numpy()
-        table_np[:k, table.shape[1] :] = self.scratch_block
+        """Write one step into the buffers, every token of ``chunks`` a row of its own, in order:
+        its id, its position, its sequence's block table, its slot. Rows of one chunk read each
+        other's keys as a prompt's tokens do (every row's keys are written before any row
+        attends, and each attends up to its own position). The rows after them are padding:
+        token 0 at position 0 of the scratch block, which no sequence owns. ``heads``: the rows to
+        return logits for (None leaves the buffer as it is: by default every row)."""
+        bs, nb, R, a = self.cache.block_size, self.num_blocks, self.num_rows, self._np
+        table = a["table"].reshape(R, nb)
+        pos, slots = a["positions"][0], a["slots"]
+        r = 0
+        for c in chunks:
+            n, end = c.length, c.start + c.length
+            need = -(-end // bs)
+            if need > nb or len(c.block_table) < need or r + n > R:
+                raise ValueError(f"FixedStep: chunk {c} does not fit a step of {R} x {nb} blocks")
+            if n == 1:  # a decoding sequence: a few scalar writes
+                table[r, :need] = c.block_table[:need]
+                pos[r], slots[r] = c.start, c.block_table[need - 1] * bs + c.start % bs
+            else:
+                blocks = np.asarray(c.block_table[:need], dtype=np.int64)
+                table[r : r + n, :need] = blocks
+                p = np.arange(c.start, end)
+                pos[r : r + n], slots[r : r + n] = p, blocks[p // bs] * bs + p % bs
+            table[r : r + n, need:] = self.scratch_block
+            r += n
+        a["ids"][0, :r] = token_ids[:r]
         if heads is not None:
+            if len(heads) > len(a["heads"]):
+                raise ValueError(f"FixedStep: {len(heads)} heads for {len(a['heads'])} rows")
             a["heads"][:] = 0
-            a["heads"][: len(heads)] = heads.numpy()
-        self._pad(k)
+            a["heads"][: len(heads)] = heads
+        self._pad(r)
 
     def _pad(self, k: int) -> None:
         """Rows from ``k`` on are padding; the key counts follow from the positions; then the
@@ -266,6 +247,12 @@ class FixedStep:
         if self._buf is not self._host:
             for k, v in self._host.items():
                 self._buf[k].copy_(v, non_blocking=True)
+
+
+#: the most query-key pairs a step of prompt chunks may hold and still run every token as a row
+#: through the attention kernel (the sum over chunks of length x keys read): beyond it the eager
+#: step's attention, which reads each key once for a whole chunk, is the faster
+TOKEN_KEYS = 512 * 1024
 
 
 def bucket(n: int, limit: int) -> int:
@@ -311,8 +298,11 @@ class FixedSteps:
         # torch.compile in memory traces sizes as symbols except a size of 1, for which it
         # would compile a second graph: such a step pads one row (or block) more
         self.min_size, self.path = min_size, path
+        self.masked = masked
+        self.token_steps = 0  # steps with prompt chunks run here (run_tokens)
         self.steps = StepGraphs(
-            lambda key: FixedStep(cache, key[0], key[1], scratch_block, masked=masked),
+            # (rows, blocks), or (rows, blocks, heads) for a step of any tokens (run_tokens)
+            lambda key: FixedStep(cache, key[0], key[1], scratch_block, *key[2:], masked=masked),
             lambda s: forward(s.ids, s.positions, s),
             cache.device,
             graphs,
@@ -366,6 +356,35 @@ class FixedSteps:
         step = self.steps.entry((bucket(max(rows, self.min_size), self.max_rows), size))[0]
         self.forward(step.ids, step.positions, step)
 
+    def serves_tokens(self, chunks: Sequence[SeqChunk], max_rows: int) -> bool:
+        """Whether a step of these chunks (prompt chunks among them) may run here, every token a
+        row (:meth:`run_tokens`): not replayed from a graph (a graph per token count would be
+        many), every attention the kernel's (one query at a time reads its keys in place), at
+        most ``max_rows`` tokens, and queries that read few enough keys that the kernel's one
+        query at a time is no slower than the eager step's attention over the whole chunk."""
+        if self.enabled or self.masked:
+            return False
+        bs = self.cache.block_size
+        tokens = sum(c.length for c in chunks)
+        keys = sum(c.length * (c.start + c.length) for c in chunks)
+        blocks = max(-(-(c.start + c.length) // bs) for c in chunks)
+        return tokens <= max_rows and blocks <= self.max_blocks and keys <= TOKEN_KEYS
+
+    def run_tokens(
+        self, chunks: Sequence[SeqChunk], token_ids: Sequence[int], select: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits ``[len(select), vocab]`` for a step of any chunks through the fixed-shape step,
+        every token a row (:meth:`FixedStep.fill`), the LM head on the rows ``select``
+        names (``serves_tokens(chunks)`` must hold). The rows are rounded up to a power of two
+        up to 32, then to a multiple of 32: a few padding rows, and few shapes."""
+        bs, tokens = self.cache.block_size, len(token_ids)
+        rows = bucket(tokens, 32) if tokens <= 32 else -(-tokens // 32) * 32
+        blocks = bucket(max(-(-(c.start + c.length) // bs) for c in chunks), self.max_blocks)
+        key = (rows, max(blocks, self.min_size), bucket(len(select), rows))
+        out = self.steps.run(key, lambda step: step.fill(chunks, token_ids, select))
+        self.token_steps += 1
+        return out[: len(select)]
+
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold);
         ``chunks`` are the scheduler's (``.seq.block_table``) or :class:`SeqChunk` s."""
@@ -406,39 +425,55 @@ class ExportedStep(nn.Module):
         return engine_forward(self.model, ids, positions, step)
 
 
-def load_package(model: nn.Module, cache: PagedKVCache, log: Callable[[str], None] | None = None):
+def load_package(
+    model: nn.Module,
+    cache: PagedKVCache,
+    log: Callable[[str], None] | None = None,
+    one_row: bool = False,
+):
     """``forward(ids, positions, step)`` for the fixed-shape steps over ``cache``, from its package
     on disk (compiled and stored first if there is none): ``(forward, cached)``, or
     ``(None, False)`` where the model has no key or the step cannot be compiled ahead of time
-    here (the caller then compiles it in memory). The rows and heads are symbols, one included:
-    one package serves every batch, a batch of one unpadded, and both group sizes of the
-    batch-invariant engine."""
+    here (the caller then compiles it in memory).
+
+    Two packages of the same step: by default the rows and heads are symbols, so one package
+    serves every batch and both group sizes of the batch-invariant engine; ``one_row`` is the
+    step of one row (one request decoding), traced at that size. A graph traced for any number
+    of rows keeps the code of a many-row product (a GEMM tuned for the example's rows); one row is
+    a matrix-vector product, which wants other code (the one-row float32 kernel, a GEMV where
+    inductor times its own kernels), and is the step ``llmlib generate`` runs every token."""
     wrapper = ExportedStep(model)
 
     def compile(path: Path) -> None:
         # example sizes unlike any other size of the graph (heads, block size): a symbolic size
         # equal to another in the example would be taken for the same symbol
-        step = FixedStep(cache, 7, 5, cache.num_blocks - 1, heads=13)
-        rows = torch.export.Dim("rows", min=1, max=4096)
-        heads = torch.export.Dim("heads", min=1, max=4096)
+        rows_ex, heads_ex = (1, 1) if one_row else (7, 13)
+        step = FixedStep(cache, rows_ex, 5, cache.num_blocks - 1, heads=heads_ex)
         blocks = torch.export.Dim("blocks", min=2, max=1 << 16)
         pool = torch.export.Dim("pool", min=2)
+        rows = None if one_row else torch.export.Dim("rows", min=1, max=4096)
+        heads = None if one_row else torch.export.Dim("heads", min=1, max=4096)
+
+        def dim(*axes: tuple[int, Any]) -> dict | None:  # the symbolic axes of one input
+            kept = {axis: d for axis, d in axes if d is not None}
+            return kept or None
+
         shapes = {
-            "ids": {1: rows},
-            "positions": {1: rows},
-            "write_slots": {0: rows},
-            "table": {0: rows, 1: blocks},
-            "mask": {0: rows, 3: blocks * cache.block_size},
-            "lens": {0: rows},
-            "heads": {0: heads},
+            "ids": dim((1, rows)),
+            "positions": dim((1, rows)),
+            "write_slots": dim((0, rows)),
+            "table": dim((0, rows), (1, blocks)),
+            "mask": dim((0, rows), (3, blocks * cache.block_size)),
+            "lens": dim((0, rows)),
+            "heads": dim((0, heads)),
             "pool": tuple({0: pool} for _ in range(2 * cache.n_layers)),
         }
         args = (*step.inputs, *cache.k, *cache.v)
-        aot.export_and_package(wrapper, model, args, shapes, path, log, "the engine's step")
+        what = "the engine's one-row step" if one_row else "the engine's step"
+        aot.export_and_package(wrapper, model, args, shapes, path, log, what)
 
-    loaded, cached = aot.load_step(
-        model, f"engine-heads-bs{cache.block_size}", wrapper, compile, log
-    )
+    kind = f"engine-{'one' if one_row else 'heads'}-bs{cache.block_size}"
+    loaded, cached = aot.load_step(model, kind, wrapper, compile, log)
     if loaded is None:
         return None, False
 
@@ -448,24 +483,56 @@ def load_package(model: nn.Module, cache: PagedKVCache, log: Callable[[str], Non
     return forward, cached
 
 
-#: model -> its step compiled in memory; every engine on the same model shares one
-_IN_MEMORY: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+#: model -> (its graph view, its step compiled in memory); every engine on the model shares one
+_IN_MEMORY: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, Callable]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def compiled_forward(
-    model: nn.Module, cache: PagedKVCache, log: Callable[[str], None] | None = None
+    model: nn.Module,
+    cache: PagedKVCache,
+    log: Callable[[str], None] | None = None,
+    rows: str = "any",
 ) -> tuple[Callable, str, float | None, bool]:
-    """The compiled fixed-shape step: ``(forward, path, compile seconds, in memory)``. From its
-    package on disk for a model loaded from a file (:func:`load_package`), else one
-    ``torch.compile`` graph in memory with every size symbolic, shared by every engine on the
-    model and compiled at its first call
+    """The compiled fixed-shape step: ``(forward, path, compile seconds, in memory)``. The graph
+    runs a view of ``model`` in which every matrix is what a graph should multiply
+    (:func:`llmlib.runtime.compile.graph_view`; the model keeps its own layouts for the eager
+    steps). From its packages on disk for a model loaded from a file (:func:`load_package`):
+    ``rows="any"`` both the one-row package (a step of one row runs it) and the package for any
+    number of rows, ``"one"`` the first only (an engine of one sequence), ``"many"`` the second
+    only (the batch-invariant groups). Else one ``torch.compile`` graph in memory with every
+    size symbolic, shared by every engine on the model and compiled at its first call
     (:meth:`llmlib.engine.run_mode.Steps.compile_now`)."""
+    from llmlib.runtime.compile import graph_view
+
     t0 = time.perf_counter()
-    forward, cached = load_package(model, cache, log)
-    if forward is not None:
+    if model in _IN_MEMORY:
+        view, compiled = _IN_MEMORY[model]
+        return functools.partial(compiled, view), "compiled (in memory)", None, True
+    view = graph_view(model)
+    many = one = None
+    cached = True
+    if rows in ("any", "many"):
+        many, was = load_package(view, cache, log)
+        cached = cached and was
+    if rows in ("any", "one") and (many is not None or rows == "one"):
+        one, was = load_package(view, cache, log, one_row=True)
+        cached = cached and was
+    if many is not None or one is not None:
         seconds = None if cached else time.perf_counter() - t0
         path = "compiled (from the cache)" if cached else "compiled (now, cached)"
-        return forward, path, seconds, False
-    if model not in _IN_MEMORY:
-        _IN_MEMORY[model] = compile_step(engine_forward, model, dynamic=True)
-    return functools.partial(_IN_MEMORY[model], model), "compiled (in memory)", None, True
+        return _by_rows(one, many), path, seconds, False
+    _IN_MEMORY[model] = view, compile_step(engine_forward, view, dynamic=True)
+    return functools.partial(_IN_MEMORY[model][1], view), "compiled (in memory)", None, True
+
+
+def _by_rows(one: Callable | None, many: Callable | None) -> Callable:
+    """One forward for every step: a step of one row through ``one`` (where there is one)."""
+    if one is None or many is None:
+        return one or many  # type: ignore[return-value]
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, step: Any) -> torch.Tensor:
+        return (one if step.num_rows == 1 else many)(ids, positions, step)
+
+    return forward

@@ -29,11 +29,10 @@ mode:
   nor on which other sequences share the step (the masked keys of a tile's last key tile add
   exact zeros, and batched products compute each tile's matrices as if alone).
 
-The products run in whatever format the model was loaded in (bfloat16 in oneDNN's layout by
-default on a CPU with AMX, float32 elsewhere): a fixed shape makes any deterministic kernel
-invariant that treats every row of a tile alike, which the view checks for each kind of matrix
-(:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. What it costs,
-``llmlib bench batching --batch-invariant`` measures against the default mode in the same run.
+The products run in the model's format: a fixed shape makes any deterministic kernel invariant
+that treats every row of a tile alike, which the view checks for each kind of matrix
+(:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. Its cost,
+``llmlib bench batching --batch-invariant`` measures against the default mode.
 
 Compiled (``LLM(path, batch_invariant=True)`` by default on a CPU with AMX, see
 :func:`~llmlib.device.compiles_by_default`), the mode holds the shapes still instead
@@ -340,9 +339,8 @@ class InvariantRows:
         and take the last few with other code. MKL's float32 kernel for AVX2 does so for
         rows 30 and 31 of 32: a token's logits would depend on 31 sequences decoding."""
         heads = heads or rows
-        step, s = self._step(rows, 2, heads), self.scratch_block * self.cache.block_size
-        same, table = torch.full((rows,), token), torch.full((rows, 1), self.scratch_block)
-        step.load(same, same * 0, same * 0 + s, table, torch.arange(heads))
+        step, here = self._step(rows, 2, heads), SeqChunk([self.scratch_block], 0, 1)
+        step.fill([here] * rows, [token] * rows, range(heads))
         logits = self.forward(step.ids, step.positions, step)
         if bool((logits[0] == logits[0, 0]).all()):
             return None
@@ -372,26 +370,15 @@ class InvariantRows:
 
     def run(self, chunks: Seq[SeqChunk], ids: Seq[int], select: Seq[int]) -> torch.Tensor:
         """Logits ``[len(select), vocab]`` at the flat token indices ``select`` of ``chunks``
-        packed in order (what :meth:`~llmlib.engine.runner.ModelRunner.forward_packed` returns).
-        A chunk's ``num_prompt_tokens`` routes its tokens (None: all are the prompt's)."""
-        bs, scratch = self.cache.block_size, self.scratch_block
+        packed in order. A chunk's ``num_prompt_tokens`` routes its tokens (None: a prompt's)."""
+        bs = self.cache.block_size
         total = sum(c.length for c in chunks)
-        # every token's position, its sequence's block table and whether it is a prompt token
-        pos = torch.zeros(total, dtype=torch.long)
-        prompt = torch.zeros(total, dtype=torch.bool)
-        tables = torch.full((total, max(-(-(c.start + c.length) // bs) for c in chunks)), scratch)
-        r = 0
-        for c in chunks:
-            need = -(-(c.start + c.length) // bs)
-            pos[r : r + c.length] = torch.arange(c.start, c.start + c.length)
-            n_prompt = c.num_prompt_tokens
-            prompt[r : r + c.length] = pos[r : r + c.length] < (n_prompt or c.start + c.length)
-            tables[r : r + c.length, :need] = torch.as_tensor(
-                [int(b) for b in c.block_table[:need]]
-            )
-            r += c.length
-        tok = torch.as_tensor(list(ids), dtype=torch.long)
-        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        # every token's chunk, its position, and whether it is a prompt token
+        of = torch.cat([torch.full((c.length,), i) for i, c in enumerate(chunks)])
+        pos = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks])
+        ends = torch.tensor([c.num_prompt_tokens or c.start + c.length for c in chunks])
+        prompt = pos < ends[of]
+        where = of.tolist(), pos.tolist()  # for the runs each group's rows are filled from
         sel = torch.as_tensor(list(select), dtype=torch.long)
         sampled = torch.zeros(total, dtype=torch.bool)
         sampled[sel] = True
@@ -407,7 +394,8 @@ class InvariantRows:
                 g0 += len(m)
                 heads = sampled[m].nonzero()[:, 0]  # rows of the group the LM head runs on
                 step = self._step(n, int(pos[m].max()) // bs + 1, self.rows)  # rest: padding
-                step.load(tok[m], pos[m], slots[m], tables[m, : step.num_blocks], heads)
+                rows = _runs(chunks, m.tolist(), *where)
+                step.fill(rows, [ids[i] for i in m.tolist()], heads.tolist())
                 logits = self.forward(step.ids, step.positions, step)
                 if out is None:
                     out = logits.new_empty(len(sel), logits.shape[-1])
@@ -418,3 +406,15 @@ class InvariantRows:
         if out is None:
             raise ValueError("InvariantRows.run: a step with no tokens")
         return out
+
+
+def _runs(chunks: Seq[SeqChunk], m: list[int], of: list[int], pos: list[int]) -> list[SeqChunk]:
+    """The tokens ``m`` (flat indices, in order; ``of`` and ``pos`` give each one's chunk and
+    position) as runs of consecutive tokens of one chunk each, as
+    :meth:`~llmlib.engine.fixed_step.FixedStep.fill` takes them."""
+    out, first = [], 0
+    for j in range(1, len(m) + 1):
+        if j == len(m) or of[m[j]] != of[m[j - 1]] or m[j] != m[j - 1] + 1:
+            out.append(SeqChunk(chunks[of[m[first]]].block_table, pos[m[first]], j - first))
+            first = j
+    return out

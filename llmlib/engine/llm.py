@@ -52,10 +52,10 @@ class LLM:
     and the run mode, how every step runs.
 
     The format, when neither ``dtype`` nor ``quantization`` is given, is the machine's fastest
-    accurate one for this engine's batches, so ``LLM(path)`` may load a file in another format
-    than ``load_model(path)``, which serves one request (``llm.model.weight_format`` says which).
-    An engine of one sequence (``max_num_seqs=1``, what ``llmlib generate`` and ``chat`` run)
-    takes the one-request format.
+    accurate one for this engine's batches, where ``load_model(path)`` loads the plain float32
+    reference on a CPU: the same file may run in two formats (``llm.model.weight_format`` says
+    which). An engine of one sequence (``max_num_seqs=1``, what ``llmlib generate`` and ``chat``
+    run) takes the format that decodes one request fastest.
 
     All-decode steps run on fixed shapes (:mod:`llmlib.engine.fixed_step`): replayed from CUDA
     graphs on a GPU (``cuda_graphs``, default on), or on a CPU through one compiled graph for

@@ -30,12 +30,17 @@ class Steps:
 
     ``model`` runs the steps that no fixed shape serves (a row-tiled view of the engine's model
     in the eager batch-invariant mode); ``decode`` serves all-decode steps on fixed shapes;
+    ``tokens`` the steps that carry prompt chunks, every token a row of the same fixed-shape
+    step (where its attention is the kernel's and the chunks are short enough,
+    :meth:`~llmlib.engine.fixed_step.FixedSteps.serves_tokens`), so that a step mixing prompts
+    and decode rows runs the compiled graph too;
     ``rows`` serves every step, in fixed groups (the compiled batch-invariant mode); ``invariant``
     makes the eager steps batch-invariant. ``path`` says what runs (the timing line prints it),
     ``compile_s`` what compiling cost this process."""
 
     model: nn.Module
     decode: FixedSteps | None = None
+    tokens: FixedSteps | None = None  # steps with prompt chunks, every token a row
     rows: Any = None  # llmlib.engine.invariant.InvariantRows
     invariant: bool = False
     path: str = "eager"
@@ -50,12 +55,18 @@ class Steps:
     def compile_now(self, rows: int) -> float | None:
         """Compile a graph compiled in memory now, before any request waits (on an all-padding
         step of ``rows`` rows: inductor tunes its matrix kernels for the rows it first sees);
-        the seconds compiling took (None: it was loaded, or there is none)."""
+        the seconds it took (None: it was loaded, or there is none). Another engine on the same
+        model finds the graph compiled already, and says nothing."""
         if not self.in_memory or self.decode is None:
             return self.compile_s
-        print("llmlib: compiling the engine's step (minutes on a small CPU)...", file=sys.stderr)
+        graph = getattr(self.decode.forward, "func", None)  # the partial's compiled function
+        if not getattr(graph, "warm", False):
+            msg = "llmlib: compiling the engine's step (minutes on a small CPU)..."
+            print(msg, file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         self.decode.run_padding(rows)
+        if graph is not None:
+            graph.warm = True
         self.in_memory, self.compile_s = False, time.perf_counter() - t0
         return self.compile_s
 
@@ -89,18 +100,22 @@ def pick_steps(
         scratch_block=scratch_block, max_rows=max_rows, max_blocks=max_blocks, masked=masked
     )
     if mode == "compiled":
-        forward, path, seconds, in_memory = compiled_forward(model, cache, log)
+        # an engine of one sequence decodes one row a step: the one-row package alone (its
+        # prompts run eagerly, as the Generator's do)
+        rows = "one" if max_rows == 1 else "any"
+        forward, path, seconds, in_memory = compiled_forward(model, cache, log, rows)
         decode = FixedSteps(forward, cache, **limits, min_size=2 if in_memory else 1, path=path)
-        return Steps(model, decode, path=path, compile_s=seconds, in_memory=in_memory)
+        tokens = None if rows == "one" and not in_memory else decode
+        return Steps(model, decode, tokens, path=path, compile_s=seconds, in_memory=in_memory)
     if mode in ("fixed", "cuda-graphs"):
         forward = functools.partial(engine_forward, model)
         graphs = mode == "cuda-graphs"
         if graphs and cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the KV pool on a CUDA device")
         path = "CUDA graphs" if graphs else "fixed shapes"
-        return Steps(
-            model, FixedSteps(forward, cache, **limits, graphs=graphs, path=path), path=path
-        )
+        decode = FixedSteps(forward, cache, **limits, graphs=graphs, path=path)
+        # a graph per token count would be many: prompt steps as rows only where not captured
+        return Steps(model, decode, None if graphs else decode, path=path)
     raise ValueError(f"pick_steps: no run mode {mode!r}")
 
 
@@ -125,7 +140,7 @@ def _invariant_compiled(model, cache, scratch_block, max_blocks, log) -> Steps:
     why = rows_compile(model, cache)
     if why is not None:
         return _invariant_eager(model, why)
-    forward, path, seconds, in_memory = compiled_forward(model, cache, log)
+    forward, path, seconds, in_memory = compiled_forward(model, cache, log, "many")
     rows = InvariantRows(forward, cache, scratch_block, max_blocks)
     t0 = time.perf_counter()
     if in_memory:

@@ -15,16 +15,19 @@ from typing import Any
 
 import torch
 
-from llmlib.engine.fixed_step import FixedSteps, engine_forward
+from llmlib.engine.fixed_step import FixedSteps
 from llmlib.engine.outputs import TokenLogprob
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.engine.run_mode import pick_steps, scratch_blocks
 from llmlib.engine.sequence import ScheduledChunk
 from llmlib.engine.stopping import constrain
 from llmlib.model import Transformer
-from llmlib.model.attention import KVCacheLike
 from llmlib.sampling import sample
 from llmlib.speculative.verify import accept_greedy, accept_sampled, distributions
+
+#: the most tokens a step runs as rows of the fixed-shape step (the compiled step's rows are a
+#: symbol up to 4096)
+MAX_TOKEN_ROWS = 4096
 
 
 class ModelRunner:
@@ -99,12 +102,6 @@ class ModelRunner:
         (:meth:`~llmlib.engine.fixed_step.Steps.compile_now`)."""
         return self.steps.compile_now(rows)
 
-    def _forward_rows(
-        self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheLike
-    ) -> torch.Tensor:
-        """The forward pass a fixed-shape step runs eagerly: logits [rows, V]."""
-        return engine_forward(self.model, ids, positions, step)
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks ``src -> dst`` (a forked sequence's copy-on-write; every rank under TP)."""
         self.cache.copy_blocks(pairs)
@@ -128,6 +125,10 @@ class ModelRunner:
         if self.rows is not None:  # batch-invariant, compiled: every token a row of a group
             self.forward_passes += 1
             return self.rows.run(chunks, ids, select)
+        tokens = self.steps.tokens
+        if tokens is not None and tokens.serves_tokens(chunks, MAX_TOKEN_ROWS):
+            self.forward_passes += 1  # prompt chunks and decode rows, one fixed-shape step
+            return tokens.run_tokens(chunks, ids, select)
         if self.batch_invariant:
             from llmlib.engine.invariant import InvariantStep
 

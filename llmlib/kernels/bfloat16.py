@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmlib.kernels.weights import PackedWeight, _compiling
+from llmlib.kernels.weights import PackedWeight, PlainWeight
 
 #: From how many rows a :class:`Bfloat16Weight` widens its matrix to float32 for the product.
 WIDEN_ROWS = 8
@@ -21,7 +21,7 @@ WIDEN_ROWS = 8
 WIDEN_SLICE = 1 << 20
 
 
-class Bfloat16Weight(PackedWeight):
+class Bfloat16Weight(PlainWeight):
     """A bfloat16 matrix on a CPU that has no bfloat16 arithmetic (no AVX512-BF16, no AMX: an
     AVX2-only machine), and the product that suits each number of rows there.
 
@@ -31,8 +31,8 @@ class Bfloat16Weight(PackedWeight):
     only. PyTorch's generic bfloat16 kernel then converts inside its inner loop and runs several
     times slower than the tuned float32 kernels. So from :data:`WIDEN_ROWS` rows on, a slice of
     the matrix at a time is widened to float32 and multiplied by those. Both ways sum in float32
-    and round the result to bfloat16 once. Inside ``torch.compile`` the graph multiplies the
-    bfloat16 matrix itself, with its own kernels. In a state dict this is the plain matrix.
+    and round the result to bfloat16 once. A compiled graph multiplies the bfloat16 matrix
+    itself, with its own kernels (:meth:`for_graph`). In a state dict this is the plain matrix.
 
     The widened product is not row-invariant, so the batch-invariant engine's view
     (:func:`llmlib.kernels.prepare.row_tiled`) multiplies the plain matrix instead. MKL's float32
@@ -42,17 +42,12 @@ class Bfloat16Weight(PackedWeight):
     """
 
     kind = "bfloat16 (widened for several rows)"
-    _constants = "w"
-
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__(tuple(w.shape))
-        self.register_buffer("w", w.detach())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         few_rows = x.numel() < WIDEN_ROWS * x.shape[-1]
-        if _compiling() or few_rows or x.dtype != self.w.dtype:
+        if few_rows or x.dtype != self.w.dtype:
             return F.linear(x, self.w, bias)  # PyTorch's bfloat16 product
-        return super().linear(x, bias)  # reshapes x to rows, calls _mm, adds the bias
+        return PackedWeight.linear(self, x, bias)  # rows of x through _mm, then the bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -64,11 +59,5 @@ class Bfloat16Weight(PackedWeight):
         out = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         return out.to(x.dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.w)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.w
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        destination[prefix.removesuffix(".")] = self.w
+    def for_graph(self) -> PackedWeight:
+        return PlainWeight(self.w)

@@ -4,9 +4,10 @@ PyTorch's CPU ``F.rms_norm`` is a chain of separate operators (square, mean, rsq
 products), each a pass over the row. :class:`FusedRMSNorm` takes the place of
 :class:`llmlib.model.norm.RMSNorm` where the kernel builds (AVX-512) and the flags allow it
 (:attr:`llmlib.kernels.flags.Flags.fused_norm`, ``LLMLIB_FUSED_NORM=0`` turns it off): the same
-arithmetic, float32 inside, one rounding at the end. Inside ``torch.compile`` (which fuses the
-plain version itself), under autograd, off the CPU, or for Gemma's ``1 + weight`` variant it is
-the plain module.
+arithmetic, float32 inside, one rounding at the end. Under autograd, off the CPU, or for Gemma's
+``1 + weight`` variant it is the plain module; a compiled graph gets the plain module too
+(:meth:`FusedRMSNorm.plain`, through :func:`llmlib.runtime.compile.graph_view`), since inductor
+fuses that itself.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ class FusedRMSNorm(RMSNorm):
         new.__dict__.update(norm.__dict__)
         return new
 
+    def plain(self) -> RMSNorm:
+        """The plain module holding this one's gain (no copy): what a compiled graph runs."""
+        new = RMSNorm.__new__(RMSNorm)
+        new.__dict__.update(
+            {k: v.copy() if isinstance(v, dict) else v for k, v in vars(self).items()}
+        )
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             not self.offset
             and x.device.type == "cpu"
             and (x.dtype, self.weight.dtype) in _FUSED_DTYPES
-            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
             return torch.ops.llmlib_norm.rms_norm(x, self.weight, self.eps)

@@ -1,5 +1,4 @@
-"""bfloat16 weights in oneDNN's blocked layout, held once, and the operator that lets
-``torch.compile`` reach them.
+"""bfloat16 weights in oneDNN's blocked layout, held once.
 
 On a CPU with AMX or AVX512-BF16, oneDNN (PyTorch's CPU kernel library) multiplies a bfloat16
 matrix several times faster once it has been re-ordered into its own blocked layout, at one row
@@ -10,13 +9,11 @@ bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re
 from __future__ import annotations
 
 import functools
-import itertools
-import weakref
 
 import torch
 
 from llmlib.kernels.flags import flags
-from llmlib.kernels.weights import PackedWeight
+from llmlib.kernels.weights import PackedWeight, PlainWeight
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -50,9 +47,9 @@ class OneDNNWeight(PackedWeight):
     faster than a plain strided bfloat16 matrix, at one row or many. Not quantized: the same
     numbers, re-ordered once.
 
-    Inside ``torch.compile`` the product is the custom operator ``llmlib::onednn_linear``, which
-    names the matrix by a number: the blocked tensor is opaque (no strides, no storage), so it
-    cannot be a traced graph input, but an operator that fetches it at run time can be.
+    A compiled graph multiplies the plain matrix instead (:meth:`for_graph`): the blocked
+    tensor is opaque (no strides, no storage), so it cannot be a traced graph input; frozen into
+    the graph as a constant, the plain matrix is re-stored by inductor in a layout of its own.
     """
 
     _constants = "w"
@@ -60,16 +57,6 @@ class OneDNNWeight(PackedWeight):
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__(tuple(w.shape))
         self.register_buffer("w", torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
-        self._register()
-
-    def _register(self) -> None:
-        self.handle = next(_ONEDNN_HANDLES)
-        _ONEDNN_WEIGHTS[self.handle] = self
-
-    def __setstate__(self, state: dict) -> None:
-        # a copy (copy.deepcopy) gets a handle of its own, or it would multiply by the original
-        super().__setstate__(state)
-        self._register()
 
     @property
     def device(self) -> torch.device:
@@ -84,9 +71,10 @@ class OneDNNWeight(PackedWeight):
         return self.shape.numel() * self.w.element_size()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.llmlib.onednn_linear(x, bias, self.handle, self.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.w, bias, "none", [], "")
+
+    def for_graph(self) -> PackedWeight:
+        return PlainWeight(self.w.to_dense())
 
     def dequantize(self) -> torch.Tensor:
         return self.w.to_dense()
@@ -95,21 +83,3 @@ class OneDNNWeight(PackedWeight):
         # in a state dict this is the plain matrix it holds, under the weight's own name
         # (``...wqkv.weight``, which the fused projection then splits into wq, wk, wv)
         destination[prefix.removesuffix(".")] = self.w.to_dense()
-
-
-# handle -> the OneDNNWeight it names; weak, so a discarded model's matrices are freed
-_ONEDNN_WEIGHTS: weakref.WeakValueDictionary[int, OneDNNWeight] = weakref.WeakValueDictionary()
-_ONEDNN_HANDLES = itertools.count()
-
-
-@torch.library.custom_op("llmlib::onednn_linear", mutates_args=())
-def _onednn_linear(
-    x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int
-) -> torch.Tensor:
-    w = _ONEDNN_WEIGHTS[handle].w
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-
-@_onednn_linear.register_fake
-def _(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)

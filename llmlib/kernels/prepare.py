@@ -338,6 +338,15 @@ def quantize_model(
 TAILS = (2, 4, 8, 16, 32)
 
 
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules that shares every tensor (parameters, buffers, and tensors a
+    module holds as a plain attribute: Float32Weight's oneDNN copy is opaque, it has no storage
+    that deepcopy could read): swapping a module of the copy leaves the model as it was."""
+    held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
+    tensors = itertools.chain(model.parameters(), model.buffers(), held)
+    return copy.deepcopy(model, memo={id(t): t for t in tensors})
+
+
 def row_tiled(
     model: nn.Module, tile: int, larger: tuple[int, ...] = (), tails: tuple[int, ...] = TAILS
 ) -> nn.Module:
@@ -355,11 +364,7 @@ def row_tiled(
     rows fail, the first of ``larger`` that passes is taken, and if none does, an error names
     the matrix. Then each of ``tails`` below the tile that gives a row the tile's bits may hold
     a last, partial tile."""
-    # shared, not copied: parameters, buffers, and tensors a module holds as a plain attribute
-    # (Float32Weight's oneDNN copy: opaque, it has no storage that deepcopy could read)
-    held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
-    tensors = itertools.chain(model.parameters(), model.buffers(), held)
-    view = copy.deepcopy(model, memo={id(t): t for t in tensors})
+    view = shared_copy(model)
     chosen: dict[tuple, tuple[int, tuple[int, ...]] | None] = {}
     for name, mod in weight_matrices(view).items():
         w = mod.weight

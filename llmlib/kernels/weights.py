@@ -24,7 +24,10 @@ holds one of these). The layouts:
 * :mod:`llmlib.kernels.integer` — the same codes multiplied by integer dot products (AVX-512 VNNI
   or AVX2), activations rounded to int8 in blocks as llama.cpp does;
 * :class:`RowTiles` — any of them, multiplied a fixed number of rows at a time (the batch-invariant
-  engine, chapter 7).
+  engine, chapter 7);
+* :class:`PlainWeight` — a plain matrix and ``F.linear``: what a compiled graph multiplies where
+  a layout is opaque to it. Each class has one ``linear``; a graph asks each weight what to
+  multiply instead (:meth:`PackedWeight.for_graph`, :func:`llmlib.runtime.compile.graph_view`).
 """
 
 from __future__ import annotations
@@ -49,8 +52,7 @@ class PackedWeight(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype: what goes into and comes out of the product (``.to(dtype)``
-        moves the float constants, and with them this)."""
+        """The activations' dtype, in and out of the product (``.to()`` moves the constants)."""
         return getattr(self, self._constants).dtype
 
     @property
@@ -78,6 +80,12 @@ class PackedWeight(nn.Module):
     def label(self) -> str:
         """What the timing line calls this layout (``int8``, ``int4 g32``, ...)."""
         return self.kind
+
+    def for_graph(self) -> PackedWeight:
+        """What a compiled graph multiplies in this matrix's place, sharing its tensors: itself
+        (its kernel an operator the graph calls), or the plain matrix where its layout is opaque
+        to the compiler or its product picks code at run time."""
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.kind}, shape={tuple(self.shape)}, dtype={self.dtype}"
@@ -238,11 +246,30 @@ def _inner_k_tiles(k: int) -> int:
     raise ValueError(f"int4 on CUDA needs the input width to be a multiple of 32, got {k}")
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+class PlainWeight(PackedWeight):
+    """A plain matrix (any float dtype) and ``F.linear``; in a state dict, the matrix."""
+
+    kind = "plain"
+    _constants = "w"
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(tuple(w.shape))
+        self.register_buffer("w", w.detach())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.w, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.w)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix.removesuffix(".")] = self.w
 
 
-class Float32Weight(PackedWeight):
+class Float32Weight(PlainWeight):
     """A float32 matrix on a CPU, and the kernels chosen for its two kinds of product.
 
     One row (batch-1 decode) is a matrix-vector product, limited by how fast the matrix streams
@@ -253,17 +280,14 @@ class Float32Weight(PackedWeight):
     ``F.linear`` on the plain matrix, whose memory layout :mod:`llmlib.kernels.layout` chooses.
     In a state dict this is the plain matrix, under the weight's own name.
 
-    Inside ``torch.compile`` the blocked copy is never read: it is an opaque oneDNN tensor, which
-    inductor can only take as a frozen constant, and a graph compiled with it as an input
-    multiplied by garbage (the compiled engine's float32 bug, on CPUs not made by Intel, where
-    the copy is the default). The graph multiplies the plain matrix with its own kernels.
+    A compiled graph never reads the blocked copy (:meth:`for_graph`): it is an opaque oneDNN
+    tensor, which inductor can only take as a frozen constant, and a graph compiled with it as an
+    input multiplied by garbage (the compiled engine's float32 bug, on CPUs not made by Intel,
+    where the copy is the default). The graph multiplies the plain matrix with its own kernels.
     """
 
-    _constants = "w"
-
     def __init__(self, w: torch.Tensor, *, one_row: bool = False, blocked: bool = False) -> None:
-        super().__init__(tuple(w.shape))
-        self.register_buffer("w", w.detach())
+        super().__init__(w)
         self.one_row = one_row
         # not a registered buffer: an opaque oneDNN tensor has no storage to save, copy or trace
         self.blocked = (
@@ -286,15 +310,13 @@ class Float32Weight(PackedWeight):
             if self.one_row and x.numel() == x.shape[-1]:
                 y = torch.ops.llmlib_matvec.matvec(x, self.w).view(*x.shape[:-1], self.shape[0])
                 return y if bias is None else y + bias
-            if self.blocked is not None and x.numel() > x.shape[-1] and not _compiling():
+            if self.blocked is not None and x.numel() > x.shape[-1]:
                 return torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, "none", [], "")
         return F.linear(x, self.w, bias)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.w)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.w
+    def for_graph(self) -> PackedWeight:
+        """The same matrix without the blocked copy (the one-row kernel stays: an operator)."""
+        return self if self.blocked is None else Float32Weight(self.w, one_row=self.one_row)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         w = self.w

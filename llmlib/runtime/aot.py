@@ -93,21 +93,20 @@ def load_kernels() -> None:
 
 def freezes(model: nn.Module) -> bool:
     """Whether ``model``'s compiled steps are frozen, their weights constants of the package: on
-    the CPU, where every matrix is bfloat16 (plain, widened for prompts only, or oneDNN's layout,
-    which :func:`llmlib.runtime.compile.plain_bfloat16` turns back into plain before tracing)."""
+    the CPU, where every matrix is dense bfloat16 (plain, widened for prompts only, or oneDNN's
+    layout, which the graph's view of the model turns back into plain,
+    :func:`llmlib.runtime.compile.graph_view`)."""
     from llmlib.kernels.bfloat16 import Bfloat16Weight
     from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.kernels.prepare import weight_matrices
+    from llmlib.kernels.weights import PlainWeight
     from llmlib.runtime.compile import compile_options
 
     if compile_options(model) is None:
         return False
     mats = [m.weight for m in weight_matrices(model).values()]
-    return bool(mats) and all(
-        isinstance(w, OneDNNWeight | Bfloat16Weight)
-        or (isinstance(w, nn.Parameter) and w.dtype == torch.bfloat16)
-        for w in mats
-    )
+    dense = (OneDNNWeight, Bfloat16Weight, PlainWeight, nn.Parameter)
+    return bool(mats) and all(isinstance(w, dense) and w.dtype == torch.bfloat16 for w in mats)
 
 
 class Package:
@@ -158,10 +157,7 @@ def load_step(
     step reads the model's own tensors (``user_managed``): no copy of the weights, except in a
     frozen package (:func:`freezes`), which holds its own."""
     frozen = freezes(model)
-    if frozen:
-        from llmlib.runtime.compile import plain_bfloat16
-
-        plain_bfloat16(model)  # the graph sees plain matrices, and re-stores them itself
+    if frozen:  # the graph sees plain matrices (a graph view), and re-stores them itself
         kind += "-frozen"
     key = step_key(model, kind)
     if key is None:

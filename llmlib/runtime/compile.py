@@ -68,29 +68,34 @@ def compile_options(model: nn.Module) -> dict[str, Any] | None:
     return dict(CPU_OPTIONS) if dtype != torch.float32 else None
 
 
-def plain_bfloat16(model: nn.Module) -> int:
-    """Turn every :class:`~llmlib.kernels.onednn.OneDNNWeight` of ``model`` back into a plain bfloat16
-    matrix (the same numbers); return how many.
+def graph_view(model: nn.Module) -> nn.Module:
+    """What a graph compiled by inductor runs for ``model``: a view sharing its tensors, in which
+    every matrix is what its layout says a graph should multiply
+    (:meth:`~llmlib.kernels.weights.PackedWeight.for_graph`: the plain matrix in place of
+    oneDNN's opaque layout or of a product that picks its code at run time) and every fused norm
+    the plain module (inductor fuses it). The one conversion before compiling, so no kernel asks
+    whether it is being traced; the model itself keeps its own layouts for the eager steps."""
+    from llmlib.kernels import norm as fused_norm
+    from llmlib.kernels.modules import PackedEmbedding, PackedLinear
+    from llmlib.kernels.prepare import replace_module, shared_copy, weight_matrices
+    from llmlib.kernels.weights import PackedWeight
+    from llmlib.model.embedding import TokenEmbedding
 
-    A compiled graph cannot see inside oneDNN's opaque tensors (they reach it only through the
-    ``llmlib::onednn_linear`` operator), so neither freezing nor inductor's kernels could re-store
-    or fuse them. Plain matrices they can; the model's eager prefill multiplies them as well.
-    """
-    from llmlib.kernels.onednn import OneDNNWeight
-    from llmlib.kernels.prepare import replace_module, weight_matrices
-
-    n = 0
-    for name, mod in weight_matrices(model).items():
+    view = shared_copy(model)
+    for name, mod in weight_matrices(view).items():
         w = mod.weight
-        if isinstance(w, OneDNNWeight):  # the layer holding it becomes the nn.Linear it replaced
+        if not isinstance(w, PackedWeight) or w.for_graph() is w:
+            continue
+        if isinstance(mod, TokenEmbedding):
+            replace_module(view, name, PackedEmbedding(w.for_graph(), mod.scale))
+        else:
             bias = getattr(mod, "bias", None)
-            plain = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
-            plain.weight = nn.Parameter(w.dequantize(), requires_grad=False)
-            if bias is not None:
-                plain.bias = nn.Parameter(bias.detach(), requires_grad=False)
-            replace_module(model, name, plain)
-            n += 1
-    return n
+            new = w.for_graph()
+            replace_module(view, name, PackedLinear(new, None if bias is None else bias.detach()))
+    for name, mod in list(view.named_modules()):
+        if isinstance(mod, fused_norm.FusedRMSNorm):
+            replace_module(view, name, mod.plain())
+    return view
 
 
 def codes_left_to_inductor(model: nn.Module) -> int:
@@ -184,21 +189,25 @@ def inductor_cache_dir() -> str:
 def compile_step(step: Callable, model: nn.Module, *, dynamic: bool | None = None) -> Callable:
     """``torch.compile(step)`` with the options that serve ``model``'s device and format.
 
-    On the CPU with bfloat16 or quantized weights this re-stores oneDNN-blocked bfloat16 matrices
-    plainly (:func:`plain_bfloat16`) so the frozen graph can pack them itself: the one layout
-    decision a compile changes, since a frozen graph keeps its own copy of every constant
-    anyway. Integer matrices stay as the loader stored them. The engine that compiles owns its
-    model's layout from then on, and its modules: the compiled step does not check them again
+    ``model`` is what the graph runs: the engine hands it a view of its model in which every
+    matrix is what a graph should multiply (:func:`graph_view`: plain
+    bfloat16 in place of oneDNN's opaque layout, which a frozen graph then packs itself; integer
+    matrices as the loader stored them). The compiled step does not check the modules again
     (:func:`own_step`). ``dynamic=True`` traces every size as a symbol, so one graph serves every
     batch.
     """
+    from llmlib.kernels.onednn import OneDNNWeight
+
+    if any(isinstance(m, OneDNNWeight) for m in model.modules()):
+        raise ValueError(
+            "compile_step: this model holds matrices in oneDNN's opaque layout, which a graph "
+            "would multiply as garbage: compile its llmlib.runtime.compile.graph_view(model)"
+        )
     options = compile_options(model)
     prepare_inductor()
     step = own_step(step)
-    if options is not None:
-        plain_bfloat16(model)
-        if codes_left_to_inductor(model):
-            options["fx_graph_cache"] = False
+    if options is not None and codes_left_to_inductor(model):
+        options["fx_graph_cache"] = False
     compiled = torch.compile(step, dynamic=dynamic, options=_guard_options(options))
     if options is None and not dynamic:
         return compiled
