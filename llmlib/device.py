@@ -107,35 +107,6 @@ def pick_dtype(
     return torch_dtype(dtype)
 
 
-def _cpuinfo(key: str) -> str:
-    """The first ``key : value`` of Linux's ``/proc/cpuinfo`` ("" elsewhere): the CPU's name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty off Linux)."""
-    return flags().vendor
-
-
-def mkl_tuned() -> bool:
-    """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here: on
-    Intel's CPUs (or where the vendor is unknown). It picks its code by vendor, and elsewhere
-    takes generic paths (:mod:`llmlib.kernels.matvec`, :class:`llmlib.kernels.weights.Float32Weight`)."""
-    return flags().mkl_tuned
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once; empty elsewhere)."""
-    return flags().cpu_flags
-
-
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16): the condition
     under which bfloat16 and the weight-only kernels beat float32 here (chapter 9 measures it)."""
@@ -336,7 +307,7 @@ def device_name(device: str | torch.device | None = None) -> str:
 def cpu_name() -> str:
     """The CPU's model, and the class it runs as where ``LLMLIB_AS_CPU`` says so (its records must
     not pass for that class's own)."""
-    name = _cpuinfo("model name") or platform.processor() or platform.machine()
+    name = flags().model_name or platform.processor() or platform.machine()
     return f"{name}, run as {flags().as_cpu}" if flags().as_cpu else name
 
 

@@ -88,9 +88,10 @@ class TensorInfo:
 
 
 #: the last files' parsed headers, by path and stat (inode, size, times): loading a model reads
-#: one header for its config, its tensors and its tokenizer, and the vocabulary is most of it
+#: one header for its config, its tensors and its tokenizer, and the vocabulary is most of it;
+#: notebooks and the vocabulary tests switch between a few files. The one cache of a header.
 _HEADERS: dict[tuple, tuple] = {}
-_KEEP = 2
+_KEEP = 4
 
 
 class GGUFFile:

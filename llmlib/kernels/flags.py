@@ -135,6 +135,7 @@ class Flags:
     tp_startup_timeout: float = 600.0
     tp_local: bool = False
     as_cpu: str = ""  # the class this machine runs as (LLMLIB_AS_CPU), "" for itself
+    model_name: str = ""  # /proc/cpuinfo's "model name" (the machine's own, whatever it runs as)
 
     @property
     def mkl_tuned(self) -> bool:
@@ -179,20 +180,22 @@ class Flags:
         }
 
 
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    vendor, found = "", ""
+def _cpuinfo() -> tuple[str, frozenset[str], str]:
+    """The vendor, the flags and the model name of the first CPU in Linux's ``/proc/cpuinfo``
+    (empty elsewhere): the one reader of that file."""
+    fields = {"vendor_id": "", "flags": "", "model name": ""}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if not vendor and line.startswith("vendor_id"):
-                    vendor = line.split(":", 1)[1].strip()
-                elif not found and line.startswith("flags"):
-                    found = line.split(":", 1)[1]
-                if vendor and found:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in fields and not fields[key]:
+                    fields[key] = value.strip()
+                if all(fields.values()):
                     break
     except OSError:
         pass
-    return vendor, frozenset(found.split())
+    return fields["vendor_id"], frozenset(fields["flags"].split()), fields["model name"]
 
 
 def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str | None:
@@ -217,7 +220,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
     fails to build, its module says so once and PyTorch's operators serve.
     """
     env = os.environ if env is None else env
-    vendor, cflags = _cpuinfo() if cpu is None else cpu
+    vendor, cflags, model_name = _cpuinfo() if cpu is None else (*cpu, "")
     as_cpu = _choice(env, "LLMLIB_AS_CPU", tuple(CLASSES)) or ""
     if as_cpu:
         vendor, cflags = _run_as(as_cpu, env, cflags)
@@ -275,6 +278,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
         compile_default=_switch(env, "LLMLIB_COMPILE") is not False,
         as_cpu=as_cpu,
+        model_name=model_name,
     )
 
 

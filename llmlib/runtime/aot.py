@@ -52,32 +52,13 @@ def cache_dir() -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """The SHA-256 of a model file (or of a folder's safetensors), remembered by path, size and
-    modification time, so a multi-gigabyte file is read for it once."""
+    """The SHA-256 of a model file (or of a folder's safetensors), remembered beside the cache by
+    path, size and modification time, so a multi-gigabyte file is read for it once."""
+    from llmlib.files import remembered_sha256
+
     path = Path(path).resolve()
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    memo = cache_dir() / "digests.json"
-    known: dict[str, Any] = {}
-    if memo.exists():
-        try:
-            known = json.loads(memo.read_text())
-        except (OSError, ValueError):
-            known = {}
-    key = json.dumps(stamp)
-    if key in known:
-        return known[key]
-    h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 22):
-                h.update(block)
-    known[key] = digest = h.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known))
-    tmp.replace(memo)
-    return digest
+    return remembered_sha256(files, cache_dir() / "digests.json")
 
 
 def step_key(model: nn.Module, kind: str) -> str | None:

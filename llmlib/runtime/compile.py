@@ -97,7 +97,7 @@ def plain_bfloat16(model: nn.Module) -> int:
 def codes_left_to_inductor(model: nn.Module) -> int:
     """How many int8/int4 matrices of ``model`` a frozen graph multiplies with inductor's own
     weight-only kernels (those :mod:`llmlib.kernels.integer` did not take: a width off its tiles, or
-    ``LLMLIB_VNNI=0``).
+    ``LLMLIB_INTEGER=0``).
 
     Inductor re-packs such a matrix for its kernel while it compiles, and its on-disk cache of
     compiled graphs keys frozen weights by shape and dtype alone: a second model of the same shape,

@@ -136,14 +136,12 @@ def token_roles(
 def load_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer stored in a GGUF file's metadata (see the module docstring).
 
-    The header is parsed by :mod:`llmlib.gguf_file`; the fields are cached per file, since
-    notebooks and tests open the same file many times.
+    The header is parsed by :mod:`llmlib.gguf_file`, which keeps the last few files' headers:
+    notebooks and tests open the same file many times, and a model's loader reads the same one.
     """
     p = Path(path)
-    st = p.stat()
     with _no_gc():  # ~a million small tuples and strings: collecting them meanwhile is waste
-        meta = _read_gguf_tokenizer(str(p.resolve()), st.st_mtime_ns, st.st_size)
-        return _build(p, meta)
+        return _build(p, _read_gguf_tokenizer(str(p.resolve())))
 
 
 @contextlib.contextmanager
@@ -322,8 +320,7 @@ _KEYS = (
 )
 
 
-@functools.lru_cache(maxsize=4)
-def _read_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+def _read_gguf_tokenizer(path: str) -> dict[str, Any]:
     from llmlib.gguf_file import GGUFFormatError, read_gguf_file
 
     try:
