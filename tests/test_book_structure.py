@@ -315,8 +315,8 @@ def test_prose_uses_only_roles_jupyterlab_renders(nb: Path) -> None:
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_quoted_value_is_computed_and_printed_above_its_text(nb: Path) -> None:
-    """Each ``{eval}`name``` names a ``shown(...)`` value of a code cell above it; a top-level one
-    is printed there too (``print(f"{name=}")``), for viewers that show the markdown raw."""
+    """Each ``{eval}`name``` names a ``shown(...)`` value of a code cell above it, printed there too
+    (``print(f"{name=}")``) for viewers that show the markdown raw."""
     defined: set[str] = set()
     printed: set[str] = set()
     for i, c in enumerate(cells(nb)):
@@ -328,10 +328,8 @@ def test_every_quoted_value_is_computed_and_printed_above_its_text(nb: Path) -> 
         else:
             for name in re.findall(r"\{eval\}`([^`]+)`", s):
                 assert name in defined, f"{nb.name}, cell {i}: {name} is not a shown() value above"
-    top_level = {
-        n for c in code_cells(nb) for n in re.findall(r"^(\w+) = shown\(", source(c), re.M)
-    }
-    assert top_level <= printed, f"{nb.name}: not printed: {top_level - printed}"
+    quoted = {n for c in cells(nb) for n in re.findall(r"\{eval\}`([^`]+)`", source(c))}
+    assert quoted <= printed, f"{nb.name}: quoted but not printed: {quoted - printed}"
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
