@@ -40,7 +40,10 @@ test: venv fetch lint unit build-book pages
 
 # JupyterLab on the chapters with this environment's Python as the kernel. The kernel spec is
 # written into the venv (it wins over a user-wide "python3" inside a venv), so the notebooks run
-# on the venv's Python and llmlib whatever else is installed. LAB_ARGS=--no-browser on a server.
+# on the venv's Python and llmlib whatever else is installed. The book's extras bring
+# jupyterlab-myst, which renders the chapters' MyST (admonitions, figures, glossary links, and
+# the numbers the prose quotes with {eval}, filled in as the cells run: Run > Run All Cells).
+# LAB_ARGS=--no-browser on a server.
 LAB_ARGS ?=
 lab: venv fetch
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (The Inference Path)" >/dev/null
@@ -80,7 +83,8 @@ build-book: venv fetch
 	$(JB)
 
 # Screenshots of every chapter page in headless Chromium (installed here if missing), WORKERS
-# pages at a time, as the unit tests run.
+# pages at a time, as the unit tests run; and every executed chapter opened in JupyterLab
+# (tests/test_book_lab.py), its screenshots under _build/screenshots/lab.
 pages: venv
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { echo "installing Debian's chromium for the page screenshots"; \

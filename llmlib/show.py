@@ -109,6 +109,60 @@ def recorded(
     return Markdown(md)
 
 
+class _Shown:
+    """Mixed into a number or a string: its ``repr`` is the value written as the prose quotes it."""
+
+    _spec = ""
+
+    def __repr__(self) -> str:
+        return format(self._base(self), self._spec)
+
+    def __str__(self) -> str:  # print() and f-strings see the plain value
+        return self._base.__str__(self) if self._base is str else self._base.__repr__(self)
+
+    @property
+    def _base(self) -> type:
+        return type(self).__mro__[2]  # int, float or str
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text/plain
+        p.text(repr(self))
+
+
+class _ShownInt(_Shown, int):
+    pass
+
+
+class _ShownFloat(_Shown, float):
+    pass
+
+
+class _ShownStr(_Shown, str):
+    pass
+
+
+def shown(value: Any, spec: str = "") -> Any:
+    """A value the prose quotes, formatted by ``spec`` (``",.0f"``, ``".1%"``, ...).
+
+    A chapter's text cites its own run: ``layers_gb = shown(x / 1e9, ".1f")`` in a code cell, and
+    ``{eval}`layers_gb``` in the markdown below it. The book's build and JupyterLab (with
+    jupyterlab-myst) both show such a name as its value, which they take from its ``repr``: here
+    the formatted number, without quotes. The value still computes as the int, float or string it
+    was (``shown(2.5, ".0f") * 2 == 5.0``); a 0-d tensor or numpy scalar becomes a Python number.
+    """
+    if hasattr(value, "item") and not isinstance(value, (int, float, str)):
+        value = value.item()
+    if isinstance(value, (str, bool)):
+        out: Any = _ShownStr(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        out = _ShownInt(value)
+    elif isinstance(value, (int, float)):
+        out = _ShownFloat(value)
+    else:
+        raise TypeError(f"shown() takes a number or a string, not {type(value).__name__}")
+    out._spec = spec
+    return out
+
+
 def setup_plots() -> None:
     """One figure style for every chapter: readable at the book's width, no chart junk."""
     import matplotlib

@@ -2,7 +2,8 @@
 
 A sentence ends at ``.``, ``!`` or ``?`` followed by a space, or at the end of a paragraph, a
 list item, a heading or a table row. Code spans, math and a link's target count as one word;
-code blocks, directives' option lines and figures' alt text are not prose.
+code blocks, boxes (admonitions, in either fence), directives' option lines and figures' alt text
+are not prose.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def markdown(nb: Path) -> str:
 
 
 def _plain(md: str) -> str:
-    md = re.sub(r"^(```|~~~).*?^\1\s*$", "\n\n", md, flags=re.S | re.M)  # fenced code blocks
+    # fenced blocks: code, and boxes (admonitions) in either fence, measured alike
+    md = re.sub(r"^(```|~~~|:::).*?^\1\s*$", "\n\n", md, flags=re.S | re.M)
     md = re.sub(r"^:::?\{?[a-z-]*\}?.*$|^:[a-z-]+:.*$|^```\{.*$|^```\s*$", "\n\n", md, flags=re.M)
     md = re.sub(r"\$\$.*?\$\$", " X ", md, flags=re.S)
     md = re.sub(r"\$[^$\n]+\$", "X", md)

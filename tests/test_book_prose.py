@@ -178,3 +178,47 @@ def test_every_listing_names_code_that_exists(nb: Path) -> None:
                         root = root.value
                     if isinstance(root, ast.Name) and root.id in ns:
                         eval(compile(ast.Expression(arg), nb.name, "eval"), ns)
+
+
+# ---- the core is a path: no engine internals, no forward jumps ----------------------------------
+
+#: a box of its own in a core chapter: a Going-further notebook named for the curious
+CURIOUS = re.compile(
+    r"^(```|:::)\{admonition\} Going further\n:class: seealso\n.*?^\1\s*$", re.S | re.M
+)
+
+
+def _going_further_labels() -> set[str]:
+    return {lab for nb in FURTHER for lab in re.findall(r"^\(([\w-]+)\)=", P.markdown(nb), re.M)}
+
+
+@pytest.mark.parametrize("nb", CORE[:-1], ids=lambda p: p.stem)
+def test_a_core_chapter_runs_without_the_engines_internals(nb: Path) -> None:
+    """Chapters 1-10 build and measure the stages with the book's own modules; the kernels and
+    the runtime (compiled steps, CUDA graphs) are the Going-further notebooks'. Chapter 11 may use
+    the runtime: its generator runs on it."""
+    import json
+
+    code = "\n".join(
+        "".join(c["source"])
+        for c in json.loads(nb.read_text())["cells"]
+        if c["cell_type"] == "code"
+    )
+    found = re.findall(
+        r"llmlib\.(?:kernels|runtime)\b|from llmlib import[^\n]*\b(?:kernels|runtime)\b", code
+    )
+    assert not found, f"{nb.name} imports the engine's internals: {found}"
+
+
+@pytest.mark.parametrize("nb", CORE, ids=lambda p: p.stem)
+def test_a_core_chapter_points_to_going_further_only_for_the_curious(nb: Path) -> None:
+    """A core chapter may name a Going-further notebook in a "Going further" box, never in its
+    own text, so a reader who skips every box loses nothing the core needs."""
+    prose = CURIOUS.sub("", P.markdown(nb))
+    links = re.findall(r"\]\((?:\.\./chapters/|\./)?g\d_[^)]*\)", prose)
+    refs = [
+        r
+        for r in re.findall(r"\{ref\}`(?:[^`<]*<)?([\w-]+)>?`", prose)
+        if r in _going_further_labels()
+    ]
+    assert not links and not refs, f"{nb.name}: outside a Going further box: {links + refs}"

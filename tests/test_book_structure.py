@@ -244,6 +244,8 @@ def test_glossary_has_at_least_45_terms() -> None:
         "tensor parallelism",
         "speculative decoding",
         "hbm",
+        "eager",
+        "perplexity",
     ):
         assert t in terms, f"the glossary lacks {t!r}"
 
@@ -283,3 +285,61 @@ def test_intro_states_the_size_of_the_model_file() -> None:
     path = found[0]
     stated = re.search(r"a (\d+) MB file", (ROOT / "intro.md").read_text())
     assert stated and int(stated.group(1)) == round(path.stat().st_size / 1e6)
+
+
+# ---- one source for the book, JupyterLab and plain Markdown -------------------------------------
+
+#: the roles the book uses that jupyterlab-myst renders too (tests/test_book_lab.py looks)
+ROLES_SHOWN_EVERYWHERE = {
+    "eval",
+    "term",
+    "cite",
+    "cite:p",
+    "cite:t",
+    "numref",
+    "ref",
+    "doc",
+    "math",
+}
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_prose_uses_only_roles_jupyterlab_renders(nb: Path) -> None:
+    """``{glue}`` is myst-nb's alone: JupyterLab would show its bare name where the number goes."""
+    prose = "\n".join(source(c) for c in cells(nb) if c["cell_type"] == "markdown")
+    used = set(re.findall(r"\{([a-z][a-z:-]*)\}`", prose))
+    assert used <= ROLES_SHOWN_EVERYWHERE, f"{nb.name}: {used - ROLES_SHOWN_EVERYWHERE}"
+    code = "\n".join(source(c) for c in code_cells(nb))
+    assert "myst_nb" not in code, f"{nb.name}: the notebooks run without the book's build"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_quoted_value_is_computed_and_printed_above_its_text(nb: Path) -> None:
+    """Each ``{eval}`name``` names a ``shown(...)`` value of a code cell above it, printed there too
+    (``print(f"{name=}")``) for viewers that show the markdown raw."""
+    defined: set[str] = set()
+    printed: set[str] = set()
+    for i, c in enumerate(cells(nb)):
+        s = source(c)
+        if c["cell_type"] == "code":
+            for lhs in re.findall(r"^\s*([\w, ]+?)\s*=\s*\(?\s*\n?\s*shown\(", s, re.M):
+                defined |= {n.strip() for n in lhs.split(",")}
+            printed |= set(re.findall(r"\{(\w+)=\}", s))
+        else:
+            for name in re.findall(r"\{eval\}`([^`]+)`", s):
+                assert name in defined, f"{nb.name}, cell {i}: {name} is not a shown() value above"
+    quoted = {n for c in cells(nb) for n in re.findall(r"\{eval\}`([^`]+)`", source(c))}
+    assert quoted <= printed, f"{nb.name}: quoted but not printed: {quoted - printed}"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_cells_the_book_folds_are_folded_in_jupyterlab(nb: Path) -> None:
+    """The book folds by tags; JupyterLab by the cell's ``jupyter`` metadata. A solution or the
+    setup cell folds whole, a figure's plotting code folds its input."""
+    for i, c in enumerate(code_cells(nb)):
+        fold = c.get("metadata", {}).get("jupyter", {})
+        t = set(tags(c))
+        if "hide-cell" in t:
+            assert fold.get("source_hidden") and fold.get("outputs_hidden"), (nb.name, i)
+        elif t & {"hide-input", "remove-input", "remove-cell"}:
+            assert fold.get("source_hidden"), (nb.name, i)
