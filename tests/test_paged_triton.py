@@ -107,8 +107,13 @@ CASES = [  # query heads, KV heads, head size, block size, pool dtype
 OPTIONS = [{}, {"window": 5}, {"window": 1000}, {"scale": 0.3, "softcap": 5.0}]
 
 
+def _case_id(case) -> str:
+    heads, hkv, hd, bs, dtype = case
+    return f"gqa{heads // hkv}-hd{hd}-bs{bs}-{str(dtype).removeprefix('torch.')}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads,hkv,hd,bs,dtype", CASES)
+@pytest.mark.parametrize("heads,hkv,hd,bs,dtype", CASES, ids=[_case_id(c) for c in CASES])
 def test_decode_equals_attention_over_gathered_keys(device, heads, hkv, hd, bs, dtype) -> None:
     # one key, part of a block, exactly one and two blocks, a long row; two padding rows
     lens = [1, 7, bs, 2 * bs, 3 * bs + 5, 100]
@@ -203,6 +208,7 @@ def test_a_querys_sums_do_not_depend_on_the_block_size_or_the_batch(device, wind
         (torch.bfloat16, torch.bfloat16),
         (torch.bfloat16, torch.float32),
     ],
+    ids=["float32", "bfloat16", "float32-into-bfloat16"],
 )
 def test_write_kv_equals_index_copy(device, pool_dtype, new_dtype) -> None:
     """Each new token's keys and values land at its slot, in the pool's dtype (rounded as
@@ -210,18 +216,20 @@ def test_write_kv_equals_index_copy(device, pool_dtype, new_dtype) -> None:
     strided view, as the model's q/k/v split hands them over."""
     g = torch.Generator().manual_seed(1)
     blocks, bs, hkv, hd = 6, 16, 3, 80
-    k_pool = torch.randn(blocks, bs, hkv, hd, generator=g).to(pool_dtype).to(device)
-    v_pool = torch.randn(blocks, bs, hkv, hd, generator=g).to(pool_dtype).to(device)
+    # each pool a view between two guard blocks: a write out of the pool lands there
+    k_buf = torch.randn(blocks + 2, bs, hkv, hd, generator=g).to(pool_dtype).to(device)
+    v_buf = torch.randn(blocks + 2, bs, hkv, hd, generator=g).to(pool_dtype).to(device)
+    k_pool, v_pool = k_buf[1:-1], v_buf[1:-1]
     slots = torch.tensor([5, 17, 95, 0, -1, 40], device=device)
     # a slice of heads, as of the model's fused q/k/v; a transpose (copied first)
     k_new = torch.randn(6, hkv + 3, hd, generator=g).to(new_dtype).to(device)[:, 1 : 1 + hkv]
     v_new = torch.randn(6, hd, hkv, generator=g).to(new_dtype).to(device).transpose(1, 2)
-    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_k, want_v = k_buf.clone(), v_buf.clone()
     real = slots >= 0
-    want_k.view(-1, hkv, hd).index_copy_(0, slots[real], k_new[real].to(pool_dtype))
-    want_v.view(-1, hkv, hd).index_copy_(0, slots[real], v_new[real].to(pool_dtype))
+    want_k[1:-1].view(-1, hkv, hd).index_copy_(0, slots[real], k_new[real].to(pool_dtype))
+    want_v[1:-1].view(-1, hkv, hd).index_copy_(0, slots[real], v_new[real].to(pool_dtype))
     paged_triton.write_kv(k_pool, v_pool, slots, k_new, v_new)
-    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
 
 
 def test_meta_tensors_give_shapes_without_running() -> None:
