@@ -4,9 +4,9 @@ write of a step's new keys and values.
 On a GPU without them, each decode step copies its cache: every row's blocks are gathered with
 ``index_select`` into one tensor padded to the longest row (:mod:`llmlib.engine.paged_cache`),
 and only then does the fused attention read that copy. At 256 rows of 128 blocks in an 8B
-model's shape the copy is about a gibibyte per layer for the keys and again for the values,
-several times the bytes of the weights the step also reads. The kernels here read and write the
-pool where it lies.
+model's shape the copy is a gibibyte per layer for the keys and another for the values: some
+64 GiB a step, four times the 15 GiB of weights the step also reads. The kernels here read and
+write the pool where it lies.
 
 **Decode attention** (:func:`decode_attention`): one program per (sequence, KV head). It walks
 the sequence's block table a tile of ``TILE`` keys at a time: key ``t`` sits in block
@@ -29,8 +29,8 @@ values to pool slot ``slots[i] = block * block_size + offset``; a negative slot 
 Both take every size from tensor shapes and every index from device memory: no value is read
 back to the host and nothing is allocated by value, so a CUDA graph captures them. Both are
 ``torch.library.triton_op`` operators (``llmlib_triton::decode_attention``, ``::write_kv``):
-``torch.compile`` and ``torch.export`` see the Triton kernels inside, and on the meta device (or
-under fake tensors) they give their outputs' shapes without running.
+``torch.compile`` and ``torch.export`` see the Triton kernels inside (a fake-tensor trace records
+them without running them), and on the meta device they give their outputs' shapes.
 
 They serve (:func:`serves`) CUDA pools of float32, bfloat16 or float16 whose head size is at
 most 256 (any size: a head of 80 or 96 is padded to the next power of two and masked), laid out
@@ -297,7 +297,8 @@ def write_kv(
     """Store each new token's keys and values ``[n, Hkv, hd]`` at pool slot ``slots[i]``
     (``block * block_size + offset``; negative: not written), in the pool's dtype. The same as
     ``pool.view(-1, Hkv, hd).index_copy_(0, slots, new.to(pool.dtype))`` for keys and values,
-    in one launch and without the conversion's copy; what the engine calls on CUDA."""
+    in one launch, and padding rows need not be taken out first. For the engine's writes on
+    CUDA: :func:`llmlib.engine.paged_cache.write_kv` can hand it its step's ``write_slots``."""
     _check(k_new, k_pool, v_pool)
     if v_new.shape != k_new.shape or k_new.shape[1] != k_pool.shape[2]:
         raise ValueError(f"new keys/values {tuple(k_new.shape)} do not fit {tuple(k_pool.shape)}")
