@@ -9,6 +9,7 @@ swaps its modules in after a model is built.
 * :mod:`~llmlib.kernels.integer` — int8/int4 products by integer dot products (VNNI or AVX2);
 * :mod:`~llmlib.kernels.onednn` — bfloat16 (and float32) held in oneDNN's blocked layout;
 * :mod:`~llmlib.kernels.paged_attention` — decode attention read where a cache holds the keys;
+* :mod:`~llmlib.kernels.paged_triton` — the same on a GPU, and the paged KV write, in Triton;
 * :mod:`~llmlib.kernels.norm` — RMSNorm in one C++ pass per row;
 * :mod:`~llmlib.kernels.weights` — how a matrix is stored for the kernel that multiplies it;
 * :mod:`~llmlib.kernels.layout` — where a CPU model's float matrices live in memory;

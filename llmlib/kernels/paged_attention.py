@@ -23,6 +23,11 @@ bfloat16 caches, a head size that is a multiple of 16, the layer's
 "sdpa"``, with any score scale, soft cap or window: :func:`serves_spec`), and the flags allowing
 it (:attr:`llmlib.kernels.flags.Flags.paged_kernel`, ``LLMLIB_PAGED_KERNEL=0`` turns it off).
 Elsewhere PyTorch's operators run, as the reference the tests compare it with.
+
+On CUDA the same two entry points serve through the Triton kernels of
+:mod:`llmlib.kernels.paged_triton` (triton installed, a float32, bfloat16 or float16 pool, a head
+size up to 256), under the same flag: the engine's decode steps then read the pool in place on a
+GPU too, instead of gathering every row's blocks first.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ def available() -> bool:
 
 def serves_pool(k_pool: torch.Tensor) -> bool:
     """Whether a pool ``[blocks, block_size, kv_heads, head_dim]`` has the kernel's layout here."""
+    if k_pool.device.type == "cuda":
+        from llmlib.kernels import paged_triton
+
+        return flags().paged_kernel and paged_triton.serves(k_pool)
     return (
         k_pool.device.type == "cpu"
         and k_pool.dtype in (torch.float32, torch.bfloat16)
@@ -89,7 +98,14 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence and head ``q [n, H, hd]`` over each sequence's first ``lens[i]``
     keys (the blocks ``table[i]`` names, in order): ``[n, H, hd]`` in ``q``'s dtype. Query head
-    ``h`` reads KV head ``h // (H / Hkv)``, as grouped-query attention does."""
+    ``h`` reads KV head ``h // (H / Hkv)``, as grouped-query attention does. CUDA tensors go to
+    the Triton kernel (:func:`llmlib.kernels.paged_triton.decode_attention`)."""
+    if q.device.type == "cuda":
+        from llmlib.kernels import paged_triton
+
+        return paged_triton.decode_attention(
+            q, k_pool, v_pool, table, lens, scale=scale, softcap=softcap, window=window
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.ops.llmlib_paged.decode_attention(
         q.contiguous(), k_pool, v_pool, table, lens, scale, window or 0, softcap or 0.0
