@@ -321,13 +321,17 @@ class BlockManager:
         A block shared by several sequences is counted once. The difference is the memory that
         is allocated but unused: in a paged cache, only the tail of each sequence's last block.
         """
-        filled: dict[int, int] = {}
         bs = self.block_size
+        full: set[int] = set()  # blocks some sequence fills (a set: in C, every step)
+        tail: dict[int, int] = {}  # the others: a last block, or ones held ahead of the tokens
         for seq in seqs:
-            n = len(seq.token_ids)
-            for i, bid in enumerate(seq.block_table):
-                filled[bid] = max(filled.get(bid, 0), min(bs, max(0, n - i * bs)))
-        return len(filled) * bs, sum(filled.values())
+            bt, n = seq.block_table, len(seq.token_ids)
+            k = min(len(bt), n // bs)
+            full.update(bt[:k])
+            for i in range(k, len(bt)):
+                tail[bt[i]] = max(tail.get(bt[i], 0), max(0, n - i * bs))
+        partial = {b: f for b, f in tail.items() if b not in full}
+        return (len(full) + len(partial)) * bs, len(full) * bs + sum(partial.values())
 
     def check_consistency(self, seqs: Seq[SequenceView] = ()) -> None:
         """Assert the invariants (used by the tests): counts match the live block tables."""

@@ -229,11 +229,12 @@ class FixedStep:
         """Rows from ``k`` on are padding; the key counts follow from the positions; then the
         values go to the device."""
         a = self._np
-        a["ids"][0, k:] = 0
-        a["positions"][0, k:] = 0
-        a["slots"][k:] = self.scratch_block * self.cache.block_size
-        a["table"].reshape(self.num_rows, self.num_blocks)[k:] = self.scratch_block
-        a["lens"][:] = a["positions"][0] + 1
+        if k < self.num_rows:
+            a["ids"][0, k:] = 0
+            a["positions"][0, k:] = 0
+            a["slots"][k:] = self.scratch_block * self.cache.block_size
+            a["table"].reshape(self.num_rows, self.num_blocks)[k:] = self.scratch_block
+        np.add(a["positions"][0], 1, out=a["lens"])
         self.upload()
         if self.masked:
             g = self.layout.decodes[0]
@@ -393,7 +394,7 @@ class FixedSteps:
             for c in chunks
         ]
         out = self.steps.run(self.key(chunks), lambda step: step.fill(fixed, token_ids))
-        return out[: len(chunks)]
+        return out if out.shape[0] == len(chunks) else out[: len(chunks)]
 
 
 # ---- compiled ahead of time, kept on disk ------------------------------------------------------

@@ -220,7 +220,7 @@ class ModelRunner:
             group = [c.seq, *c.seq.forks] if c.seq.num_output_tokens == 0 else [c.seq]
             seqs += group
             rows += [i] * len(group)
-        raw = logits.float()
+        raw = logits  # in the model's dtype: sampling converts only where it needs to
         if len(rows) != len(sampled):
             raw = raw[torch.tensor(rows, device=raw.device)]
         params = [s.params for s in seqs]
@@ -233,7 +233,7 @@ class ModelRunner:
         res.tokens.update({s.seq_id: t for s, t in zip(seqs, toks)})
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = raw[torch.tensor(want, device=raw.device)].log_softmax(-1)
+            lp = raw[torch.tensor(want, device=raw.device)].float().log_softmax(-1)
             k = max(params[i].logprobs for i in want)
             entries = _logprob_entries(lp, [toks[i] for i in want], k)
             for i, e in zip(want, entries):
