@@ -1,18 +1,21 @@
-"""The product path before and after a change, in two checkouts, taking turns in one session.
+"""Batch-1 decode of the product path before and after a change: two checkouts, interleaved.
 
-For each round, each checkout runs ``llmlib bench generate --formats ...`` (batch 1, every format
-compiled as ``llmlib generate`` runs it by default; one process per checkout and round) and
-``llmlib bench batching`` (the default format: sequential, static and continuous batching). The
-checkouts alternate, so a drift of the machine shows in both. Reported: per format, the median
-decode tokens/s of each checkout and their ratio (after over before), and the same for the
-batching modes' output tokens/s.
+For each format, one worker process per checkout loads SmolLM2 in that format and builds what
+``llmlib generate`` runs there (before the one-engine change: the ``Generator`` with its compiled
+decode step; after: ``LLM(..., max_num_seqs=1)``, the engine with one sequence, its step
+compiled). Then the two workers take turns, one greedy request of ``--new-tokens`` each, ``--pairs``
+times: the machine's drift (it moves by 10-20% over minutes here) falls on both sides alike, where
+a run of one checkout after the other would measure the drift. Reported per format: the median
+decode tokens/s of each side, the median of the per-pair ratios (after over before), and the
+share of pairs the after side won.
 
-    python benchmarks/product_path_ab.py --before /tmp/old-clone --after . --out results/cpu/X.json
+``--batching`` also runs ``llmlib bench batching`` (the default format) in each checkout, in turn,
+``--rounds`` times.
 
-Each checkout's own ``llmlib`` is imported (the commands run with the checkout as their folder),
-with the same interpreter, threads and compiled-step cache (their keys differ where the code
-does). Set the class variables (``LLMLIB_AS_CPU`` and the rest, see the Makefile) to run as
-another CPU.
+    python benchmarks/product_path_ab.py --before /tmp/old-clone --after . --out results/X.json
+
+Each checkout's own ``llmlib`` is imported (``PYTHONPATH``); same interpreter, threads and
+compiled-step cache.
 """
 
 from __future__ import annotations
@@ -25,88 +28,131 @@ import subprocess
 import sys
 from pathlib import Path
 
-FORMATS = "float32+compile,bfloat16+compile,int8+compile,int4+compile,gguf+compile"
+FORMATS = {  # name -> (dtype, quantization)
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": (None, "int8"),
+    "int4": (None, "int4"),
+    "gguf": (None, "gguf"),
+}
+
+_WORKER = r"""
+import sys, torch, llmlib
+from llmlib.checkpoints import resolve_model_path
+from llmlib.device import pick_dtype
+torch.set_num_threads(int(sys.argv[3]))
+path = resolve_model_path(None)
+dtype = sys.argv[1] if sys.argv[1] != "None" else str(pick_dtype("cpu", None, sys.argv[2]))
+q = None if sys.argv[2] == "None" else sys.argv[2]
+model = llmlib.load_model(path, "cpu", dtype.removeprefix("torch."), q)
+tok = llmlib.load_tokenizer(path)
+n = int(sys.argv[4])
+chat = "<|im_start|>user\nWhat is a quadratic equation?<|im_end|>\n<|im_start|>assistant\n"
+ids = tok.encode(chat, allowed_special="all")
+try:
+    from llmlib.engine import fixed_step  # noqa: F401  (the engine is the product path)
+    llm = llmlib.LLM(model, tok, max_num_seqs=1, compile=True)
+    sp = llmlib.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    path_name = "engine, one sequence: " + llm.runner.decode_path
+    def once():
+        m = llm.generate([ids], sp, use_tqdm=False)[0].metrics
+        return (m.finished_time - m.first_token_time) / (n - 1)
+except ImportError:  # before: the Generator's compiled decode step
+    gen = llmlib.Generator(model, tok, compile=True)
+    path_name = "Generator: " + gen.decode_path
+    def once():
+        out = gen.generate(ids, max_new_tokens=n, ignore_eos=True)
+        return out.timing.decode_s / len(out.timing.step_s)
+once(); once()
+print("ready", path_name, flush=True)
+for line in sys.stdin:
+    print(once(), flush=True)
+"""
+
+
+def _worker(tree: Path, name: str, threads: int, new_tokens: int) -> subprocess.Popen:
+    dtype, q = FORMATS[name]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    args = [str(dtype), str(q), str(threads), str(new_tokens)]
+    return subprocess.Popen(
+        [sys.executable, "-c", _WORKER, *args],
+        cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _ask(p: subprocess.Popen) -> float:
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write("run\n")
+    p.stdin.flush()
+    return float(p.stdout.readline())
 
 
 def _commit(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    dirty = subprocess.run(
-        ["git", "-C", str(tree), "status", "--porcelain", "--", "llmlib"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-
-
-def _bench(tree: Path, args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "llmlib", "bench", *args, "--json"]
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} in {tree}: {out.stderr[-3000:]}")
-    text = out.stdout
-    return json.loads(text[text.index("{") :])
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", type=Path, required=True)
     ap.add_argument("--after", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--formats", default=FORMATS)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--no-batching", action="store_true", help="only the batch-1 formats")
+    ap.add_argument("--batching", action="store_true", help="llmlib bench batching too")
+    ap.add_argument("--rounds", type=int, default=3, help="with --batching: turns each")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
-    gen_args = [
-        "generate", "--formats", args.formats, "--threads", str(args.threads),
-        "--new-tokens", str(args.new_tokens), "--runs", "1", "--no-llama-cpp", "--no-memory",
-    ]  # fmt: skip
-    bat_args = ["batching", "--threads", str(args.threads), "--num-requests", "32"]
-    decode: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
-    prefill: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
-    paths: dict[str, dict[str, str]] = {s: {} for s in sides}
-    batching: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
-    for r in range(args.rounds):
-        for side, tree in sides.items():
-            res = _bench(tree, gen_args)
-            for f in res["formats"]:
-                decode[side].setdefault(f["name"], []).append(f["tokens_per_s"])
-                prefill[side].setdefault(f["name"], []).append(f["prefill_s"])
-                paths[side][f["name"]] = f.get("decode_path", "")
-            line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in decode[side].items())
-            print(f"round {r + 1} {side}: {line}", file=sys.stderr, flush=True)
-            if not args.no_batching:
-                b = _bench(tree, bat_args)
-                for mode, tps in b["tokens_per_s"].items():
-                    batching[side].setdefault(mode, []).append(tps)
-                line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in batching[side].items())
-                print(f"round {r + 1} {side} batching: {line}", file=sys.stderr, flush=True)
-    med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in decode.items()}
-    out = {
+    out: dict = {
         "commits": {s: _commit(t) for s, t in sides.items()},
         "threads": args.threads,
         "new_tokens": args.new_tokens,
-        "rounds": args.rounds,
-        "decode_tokens_per_s": decode,
-        "prefill_s": prefill,
-        "decode_paths": paths,
-        "median_tokens_per_s": med,
-        "ratio_after_over_before": {
-            k: round(med["after"][k] / med["before"][k], 3) for k in med["before"]
-        },
+        "pairs": args.pairs,
+        "formats": {},
     }
-    if not args.no_batching:
-        bmed = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in batching.items()}
-        out["batching_tokens_per_s"] = batching
-        out["batching_median_tokens_per_s"] = bmed
-        out["batching_ratio_after_over_before"] = {
-            k: round(bmed["after"][k] / bmed["before"][k], 3) for k in bmed["before"]
+    for name in args.formats.split(","):
+        workers = {s: _worker(t, name, args.threads, args.new_tokens) for s, t in sides.items()}
+        paths = {s: w.stdout.readline().strip().removeprefix("ready ") for s, w in workers.items()}
+        secs: dict[str, list[float]] = {s: [] for s in sides}
+        for i in range(args.pairs):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # who goes first alternates
+            for s in order:
+                secs[s].append(_ask(workers[s]))
+        for w in workers.values():
+            w.stdin.close()
+            w.wait()
+        ratios = [b / a for a, b in zip(secs["after"], secs["before"])]  # speed: after / before
+        tps = {s: round(1 / statistics.median(v), 2) for s, v in secs.items()}
+        out["formats"][name] = {
+            "paths": paths,
+            "seconds_per_token": {s: [round(x, 6) for x in v] for s, v in secs.items()},
+            "median_tokens_per_s": tps,
+            "median_pair_ratio": round(statistics.median(ratios), 3),
+            "after_won": f"{sum(r > 1 for r in ratios)}/{len(ratios)}",
         }
+        print(f"{name}: before {tps['before']} tok/s, after {tps['after']} tok/s, median pair "
+              f"ratio {statistics.median(ratios):.3f}, after won {sum(r > 1 for r in ratios)}"
+              f"/{len(ratios)}", file=sys.stderr, flush=True)  # fmt: skip
+    if args.batching:
+        got: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
+        for _ in range(args.rounds):
+            for s, tree in sides.items():
+                cmd = [sys.executable, "-m", "llmlib", "bench", "batching", "--threads",
+                       str(args.threads), "--num-requests", "32", "--json"]  # fmt: skip
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+                res = json.loads(r.stdout[r.stdout.index("{") :])
+                for mode, v in res["tokens_per_s"].items():
+                    got[s].setdefault(mode, []).append(v)
+        med = {s: {m: statistics.median(v) for m, v in d.items()} for s, d in got.items()}
+        out["batching_tokens_per_s"] = got
+        out["batching_ratio_after_over_before"] = {
+            m: round(med["after"][m] / med["before"][m], 3) for m in med["before"]
+        }
+        print(f"batching: {out['batching_ratio_after_over_before']}", file=sys.stderr)
     from llmlib.device import machine_info
 
     out["machine"] = machine_info("cpu")

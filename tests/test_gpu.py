@@ -231,3 +231,13 @@ def test_bf16_graph_decode_of_a_real_shape():
     out = _engine_greedy(model, [prompt], 32, graphs=True, **kw)[0]
     assert len(out) == 32 and max(out) < cfg.vocab_size
     assert out == _engine_greedy(model, [prompt], 32, graphs=False, **kw)[0]
+
+
+def test_moe_steps_refuse_cuda_graphs_with_a_reason():
+    """Mixture-of-experts routing learns its experts on the host, which a graph cannot replay:
+    such a model's steps run on fixed shapes without capture, and the path says why."""
+    from llmlib.engine.run_mode import capture_refused
+
+    moe = CFG.replace(n_experts=4, n_experts_per_token=2)
+    assert "mixture-of-experts" in capture_refused(_model(cfg=moe))
+    assert capture_refused(_model()) is None

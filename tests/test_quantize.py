@@ -390,7 +390,6 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     from llmlib.bench.formats import parse_formats
     from llmlib.kernels.norm import FusedRMSNorm
     from llmlib.kernels.onednn import OneDNNWeight
-    from llmlib.kernels.weights import PlainWeight
     from llmlib.model.kv_cache import KVCache
     from llmlib.runtime.compile import graph_view
 
@@ -402,8 +401,8 @@ def test_compiled_onednn_bfloat16_gives_the_eager_tokens() -> None:
     dense = {n: m.weight for n, m in weight_matrices(model).items()}
     for name, mod in weight_matrices(view).items():
         w = mod.weight
-        if isinstance(dense[name], OneDNNWeight):
-            assert isinstance(w, PlainWeight) and torch.equal(w.w, dense[name].dequantize())
+        if isinstance(dense[name], OneDNNWeight):  # the plain layer back, for freezing to fold
+            assert isinstance(w, torch.nn.Parameter) and torch.equal(w, dense[name].dequantize())
         else:  # the same tensors: nothing else is copied
             assert w is dense[name] or w.data_ptr() == dense[name].data_ptr()
     assert not any(isinstance(m, FusedRMSNorm) for m in view.modules())

@@ -112,11 +112,28 @@ def pick_steps(
         graphs = mode == "cuda-graphs"
         if graphs and cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the KV pool on a CUDA device")
+        why = capture_refused(model) if graphs else None
+        graphs = graphs and why is None
         path = "CUDA graphs" if graphs else "fixed shapes"
+        if why is not None:
+            path += f" (CUDA graphs refused: {why})"
         decode = FixedSteps(forward, cache, **limits, graphs=graphs, path=path)
         # a graph per token count would be many: prompt steps as rows only where not captured
         return Steps(model, decode, None if graphs else decode, path=path)
     raise ValueError(f"pick_steps: no run mode {mode!r}")
+
+
+def capture_refused(model: nn.Module) -> str | None:
+    """Why a CUDA graph cannot capture ``model``'s step (None: it can). A graph replays its
+    kernels without the host: a step that reads a value back to decide what runs next would
+    replay the first step's decision forever. Mixture-of-experts routing does (it runs only the
+    experts some token picked, and learns which on the host), so its steps run on fixed shapes
+    without a graph."""
+    from llmlib.model.block import MoEFeedForward
+
+    if any(isinstance(m, MoEFeedForward) for m in model.modules()):
+        return "mixture-of-experts routing reads the chosen experts on the host"
+    return None
 
 
 def _invariant_eager(model: nn.Module, why: str | None) -> Steps:

@@ -78,7 +78,7 @@ def graph_view(model: nn.Module) -> nn.Module:
     from llmlib.kernels import norm as fused_norm
     from llmlib.kernels.modules import PackedEmbedding, PackedLinear
     from llmlib.kernels.prepare import replace_module, shared_copy, weight_matrices
-    from llmlib.kernels.weights import PackedWeight
+    from llmlib.kernels.weights import PackedWeight, PlainWeight
     from llmlib.model.embedding import TokenEmbedding
 
     view = shared_copy(model)
@@ -86,16 +86,34 @@ def graph_view(model: nn.Module) -> nn.Module:
         w = mod.weight
         if not isinstance(w, PackedWeight) or w.for_graph() is w:
             continue
-        if isinstance(mod, TokenEmbedding):
-            replace_module(view, name, PackedEmbedding(w.for_graph(), mod.scale))
+        new, bias = w.for_graph(), getattr(mod, "bias", None)
+        if type(new) is PlainWeight:  # the plain layer back, its matrix a parameter: freezing
+            layer = _plain_layer(mod, new.w)  # folds parameters into constants, and packs them
+        elif isinstance(mod, TokenEmbedding):
+            layer = PackedEmbedding(new, mod.scale)
         else:
-            bias = getattr(mod, "bias", None)
-            new = w.for_graph()
-            replace_module(view, name, PackedLinear(new, None if bias is None else bias.detach()))
+            layer = PackedLinear(new, None if bias is None else bias.detach())
+        replace_module(view, name, layer)
     for name, mod in list(view.named_modules()):
         if isinstance(mod, fused_norm.FusedRMSNorm):
             replace_module(view, name, mod.plain())
     return view
+
+
+def _plain_layer(mod: nn.Module, w: torch.Tensor) -> nn.Module:
+    """The plain layer ``mod`` stands for, holding ``w`` (shared) as its parameter: an
+    ``nn.Linear``, or the token table it was."""
+    from llmlib.model.embedding import TokenEmbedding
+
+    if isinstance(mod, TokenEmbedding):
+        layer = TokenEmbedding(w.shape[0], w.shape[1], "meta", mod.scale)
+    else:
+        bias = getattr(mod, "bias", None)
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    return layer
 
 
 def codes_left_to_inductor(model: nn.Module) -> int:
