@@ -264,7 +264,10 @@ class BlockManager:
         """
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        for i in range(n_full):
+        first = n_full  # the computed blocks are a prefix of the table: walk back to its end
+        while first and not self.blocks[seq.block_table[first - 1]].computed:
+            first -= 1
+        for i in range(first, n_full):
             block = self.blocks[seq.block_table[i]]
             if block.computed:
                 continue

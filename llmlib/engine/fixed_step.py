@@ -49,9 +49,11 @@ def engine_forward(
     ``heads`` buffer, only the rows it names, in its order (the LM head, a product as wide as the
     vocabulary, runs only where a token is sampled). What a fixed-shape step runs, eagerly,
     compiled, or captured in a CUDA graph."""
-    h = model.hidden(ids, positions, step)[0]
+    h = model.hidden(ids, positions, step)  # [1, rows, d_model]
     heads = getattr(step, "heads", None)
-    return model.logits(h if heads is None else h.index_select(0, heads))
+    # the rows stay the middle axis, as in a prefill's last position: a graph traced at one row
+    # then multiplies the LM head with the same kernel a one-request decode step always had
+    return model.logits(h if heads is None else h.index_select(1, heads))[0]
 
 
 class FixedStep:
