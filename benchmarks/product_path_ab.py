@@ -5,7 +5,9 @@ For each format, one worker process per checkout loads SmolLM2 in that format an
 decode step; after: ``LLM(..., max_num_seqs=1)``, the engine with one sequence, its step
 compiled). Then the two workers take turns, one greedy request of ``--new-tokens`` each, ``--pairs``
 times: the machine's drift (it moves by 10-20% over minutes here) falls on both sides alike, where
-a run of one checkout after the other would measure the drift. Reported per format: the median
+a run of one checkout after the other would measure the drift. Each request is timed by the wall
+clock from its first token to the call's return, the loop's own bookkeeping included, as a user
+waits for it. Reported per format: the median
 decode tokens/s of each side, the median of the per-pair ratios (after over before), and the
 share of pairs the after side won.
 
