@@ -281,7 +281,7 @@ def test_the_engine_step_through_the_kernel(device, window, monkeypatch) -> None
     C++ kernel's place) equals its gather path: a row of one prefill and four decodes, then a
     fixed-shape step of the CUDA graphs with padding rows on the scratch block."""
     from llmlib.engine import paged_cache
-    from llmlib.engine.graphs import StaticDecodeStep
+    from llmlib.engine.fixed_step import FixedStep
     from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
     from llmlib.kernels import paged_attention
 
@@ -293,7 +293,10 @@ def test_the_engine_step_through_the_kernel(device, window, monkeypatch) -> None
         calls.append(1)
         return kernel_fn(*args, **kwargs)
 
+    from llmlib.engine import fixed_step
+
     monkeypatch.setattr(paged_cache, "decode_attention", counted)
+    monkeypatch.setattr(fixed_step, "decode_attention", counted)
     torch.manual_seed(0)
     H, HKV, D, BS = 6, 2, 64, 4
     seqs = [(9, 0), (13, 12), (7, 6), (30, 29), (5, 4)]  # one prefill, four decodes
@@ -320,7 +323,7 @@ def test_the_engine_step_through_the_kernel(device, window, monkeypatch) -> None
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
     decodes = [(t, done) for (n, done), t in zip(seqs, tables) if n - done == 1]
-    step = StaticDecodeStep(cache, rows=8, blocks=8, scratch_block=40)
+    step = FixedStep(cache, rows=8, blocks=8, scratch_block=40)
     step.fill([SeqChunk(t, done, 1) for t, done in decodes], [0] * len(decodes))
     q, k, v = (torch.randn(1, h, 8, D, device=device) for h in (H, HKV, HKV))  # one row of 8
     outs = []

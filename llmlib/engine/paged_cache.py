@@ -153,7 +153,7 @@ class StepLayout:
 
     Worked out on the host once per step and moved to the device once; the layers only index with
     it. :class:`PagedStep` builds one from scheduled chunks; the fixed-shape decode step of the
-    CUDA graphs (:class:`llmlib.engine.graphs.StaticDecodeStep`) holds one at fixed addresses.
+    CUDA graphs (:class:`llmlib.engine.fixed_step.FixedStep`) holds one at fixed addresses.
     """
 
     positions: torch.Tensor  # [B, T]

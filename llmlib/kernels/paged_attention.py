@@ -7,9 +7,9 @@ fused attention serves badly on a CPU:
   ``index_select`` first copies every sequence's blocks into one padded tensor, then
   ``scaled_dot_product_attention`` reads that copy, and on a memory-bound step the copy costs a
   large share of what the attention does;
-* the fixed-size cache of a compiled decode step (:class:`llmlib.runtime.static.StaticKVCache`):
-  every step attends over all its slots under a mask, so no shape changes, and PyTorch's CPU
-  kernel for one bfloat16 query costs several times its float32 one.
+* a fixed-shape step (:class:`llmlib.engine.fixed_step.FixedStep`): every row attends over its
+  table's width under a mask, so no shape changes, and PyTorch's CPU kernel for one bfloat16
+  query costs several times its float32 one.
 
 The kernel (``llmlib/kernels/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks a
 block table instead, reads every key and value of the sequence once where it lies, stops at the
