@@ -67,7 +67,7 @@ def available() -> bool:
 
 def serves_pool(k_pool: torch.Tensor) -> bool:
     """Whether a pool ``[blocks, block_size, kv_heads, head_dim]`` has the kernel's layout here."""
-    if k_pool.device.type == "cuda":
+    if k_pool.device.type != "cpu":  # CUDA, or the meta device tracing its step
         from llmlib.kernels import paged_triton
 
         return flags().paged_kernel and paged_triton.serves(k_pool)
@@ -99,8 +99,9 @@ def decode_attention(
     """One query per sequence and head ``q [n, H, hd]`` over each sequence's first ``lens[i]``
     keys (the blocks ``table[i]`` names, in order): ``[n, H, hd]`` in ``q``'s dtype. Query head
     ``h`` reads KV head ``h // (H / Hkv)``, as grouped-query attention does. CUDA tensors go to
-    the Triton kernel (:func:`llmlib.kernels.paged_triton.decode_attention`)."""
-    if q.device.type == "cuda":
+    the Triton kernel (:func:`llmlib.kernels.paged_triton.decode_attention`), and so do meta
+    tensors (a trace of the CUDA step)."""
+    if q.device.type != "cpu":
         from llmlib.kernels import paged_triton
 
         return paged_triton.decode_attention(

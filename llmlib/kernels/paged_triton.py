@@ -73,9 +73,10 @@ def available() -> bool:
 
 def serves(k_pool: torch.Tensor) -> bool:
     """Whether the kernels serve a pool ``[num_blocks, block_size, kv_heads, head_dim]`` on this
-    machine: a CUDA tensor, triton importable, a served dtype and head size, contiguous."""
+    machine: a CUDA tensor (or a meta one, which stands for it in a trace of the CUDA step:
+    shapes only), triton importable, a served dtype and head size, contiguous."""
     return (
-        k_pool.device.type == "cuda"
+        k_pool.device.type in ("cuda", "meta")
         and available()
         and k_pool.dim() == 4
         and k_pool.dtype in DTYPES

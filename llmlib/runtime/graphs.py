@@ -16,6 +16,12 @@ which serve one request as they serve a batch.
 Off CUDA there is nothing to capture: the same fixed-shape steps run as they are (eagerly, or
 through a ``torch.compile`` graph, :mod:`llmlib.runtime.compile`), which is what the CPU tests
 exercise.
+
+A graph also replays without the host. A step that reads a value back (``.item()``,
+``.tolist()``, ``nonzero``) or copies from host memory would replay its first step's answer
+forever, or fail the capture with a CUDA error that names no line. :class:`HostSyncCheck`
+names it instead: every capture's first warm-up runs under it, and the CPU tests trace the
+CUDA steps under it on the meta device.
 """
 
 from __future__ import annotations
@@ -24,6 +30,66 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+#: operators whose output the host must wait for: what each is, in the words a model's code uses
+HOST_READS = {
+    aten._local_scalar_dense.default: ".item() or .tolist()",
+    aten.nonzero.default: "nonzero (torch.where of one argument, or a boolean index)",
+    aten.masked_select.default: "a boolean-mask index",
+    aten._unique2.default: "unique",
+    aten.unique_dim.default: "unique",
+    aten.unique_consecutive.default: "unique_consecutive",
+    aten.repeat_interleave.Tensor: "repeat_interleave by a tensor of counts",
+    aten.equal.default: "torch.equal",
+    aten.is_nonzero.default: "a tensor's truth value",
+}
+
+
+#: indexing whose boolean index is a hidden nonzero: how many elements it keeps is data
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+
+def _boolean_index(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()
+    )
+
+
+class HostSyncError(RuntimeError):
+    """A step that a CUDA graph would capture reads a value back to the host, moves data
+    between host and device, or mixes a host tensor into the device's work."""
+
+
+class HostSyncCheck(TorchDispatchMode):
+    """While active, any operator that would make the host wait for the device, or that moves
+    a tensor between host and device, raises :class:`HostSyncError` naming it: the operators of
+    :data:`HOST_READS`, a copy between the CPU and another device, and a CPU tensor (even one
+    number) handed to an operator on another device's tensors, which a graph would read once,
+    at capture. Any device counts, the meta device included, so the CPU tests can trace the
+    CUDA steps under it. A step on the CPU alone may read the host freely."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        on_device = any(t.device.type != "cpu" for t in tensors)
+        if on_device and func in HOST_READS:
+            raise HostSyncError(f"{HOST_READS[func]} in a step a CUDA graph captures ({func})")
+        if on_device and func in _INDEXING and _boolean_index(args[1]):
+            raise HostSyncError(f"a boolean-mask index in a step a CUDA graph captures ({func})")
+        target = kwargs.get("device")
+        if func is aten._to_copy.default and target is not None and tensors:
+            src, dst = tensors[0].device.type, torch.device(target).type
+            if src != dst and "cpu" in (src, dst):
+                raise HostSyncError(f"a copy {src} to {dst} in a step a CUDA graph captures")
+        elif on_device and any(t.device.type == "cpu" for t in tensors):
+            shapes = [tuple(t.shape) for t in tensors if t.device.type == "cpu"]
+            raise HostSyncError(
+                f"{func} mixes CPU tensors {shapes} into a step a CUDA graph captures"
+            )
+        return func(*args, **kwargs)
 
 
 class StepGraphs:
@@ -70,8 +136,12 @@ class StepGraphs:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.forward(step)
+            for i in range(self.warmup):
+                if i == 0:  # a host read names itself here, not as a failed capture
+                    with HostSyncCheck():
+                        self.forward(step)
+                else:
+                    self.forward(step)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
