@@ -90,7 +90,8 @@ def pick_dtype(
     dtype: str | torch.dtype | None = None,
     quantization: str | None = None,
 ) -> torch.dtype:
-    """``None`` means bfloat16 on CUDA and float32 elsewhere; names like ``"bf16"`` are accepted
+    """``None`` means bfloat16 on CUDA (float16 on a GPU older than sm_80, :func:`cuda_half`)
+    and float32 elsewhere; names like ``"bf16"`` are accepted
     (:mod:`llmlib.dtypes` is the one table of names).
 
     With a weight-only ``quantization`` the dtype is the activations': bfloat16 on CUDA, and on a
@@ -100,11 +101,33 @@ def pick_dtype(
     dev = torch.device(device)
     if dtype is None or dtype == "auto":
         if dev.type == "cuda":
-            return torch.bfloat16
+            # (a plan for a GPU not on this machine: one of sm_80 or newer)
+            cap = torch.cuda.get_device_capability(dev) if torch.cuda.is_available() else (8, 0)
+            return cuda_half(cap)
         if quantization and dev.type == "cpu":
             return torch_dtype(flags().activations)
         return torch.float32
     return torch_dtype(dtype)
+
+
+def cuda_half(capability: tuple[int, int]) -> torch.dtype:
+    """The 16-bit format for a GPU of compute ``capability``: bfloat16 from sm_80 (A100, L4,
+    H100), which has bfloat16 tensor cores; float16 before it (Colab's T4 is sm_75, a V100
+    sm_70), where bfloat16 runs slowly and PyTorch's flash and memory-efficient attention
+    refuse it. float16's narrow range is safe for these models' activations at inference."""
+    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+
+
+def int4_refused(capability: tuple[int, int]) -> str | None:
+    """Why the int4 weight kernel cannot run on a GPU of this capability (None: it can). On
+    CUDA it is PyTorch's tinygemm (``_weight_int4pack_mm``), built for sm_80 and newer."""
+    if tuple(capability) >= (8, 0):
+        return None
+    major, minor = capability
+    return (
+        "the int4 kernel on CUDA needs sm_80 or newer (an A100, L4 or H100); "
+        f"this GPU is sm_{major}{minor}"
+    )
 
 
 def native_bf16() -> bool:

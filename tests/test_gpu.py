@@ -82,6 +82,43 @@ def test_overrides_and_names():
         pick_device("not-a-device")
 
 
+def test_a_gpu_before_sm_80_gets_float16_and_no_int4() -> None:
+    """Colab's T4 (sm_75) and a V100 (sm_70) have no bfloat16 tensor cores: float16 there,
+    and the int4 kernel refused with a sentence that names the GPU's generation."""
+    from llmlib.device import cuda_half, int4_refused
+
+    assert cuda_half((7, 5)) == cuda_half((7, 0)) == torch.float16
+    assert cuda_half((8, 0)) == cuda_half((8, 9)) == cuda_half((9, 0)) == torch.bfloat16
+    assert "sm_75" in int4_refused((7, 5)) and int4_refused((8, 0)) is None
+
+
+FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint"}
+
+
+def test_chapter_11_makes_no_tensor_off_the_models_device() -> None:
+    """Every tensor chapter 11's cells make names its device (a CPU prompt handed to a model
+    on the GPU fails there), and the device comes from llmlib.device's choice, never typed in."""
+    import ast
+    import json
+    from pathlib import Path
+
+    nb = json.loads(Path("chapters/11_the_full_generator.ipynb").read_text())
+    calls, typed = [], []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        typed += [line for line in src.splitlines() if '"cuda' in line or "'cuda" in line]
+        for node in ast.walk(ast.parse(src)):
+            f = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and isinstance(f, ast.Attribute):
+                if getattr(f.value, "id", None) == "torch" and f.attr in FACTORIES:
+                    calls.append((ast.unparse(node), {k.arg for k in node.keywords}))
+    assert calls, "the chapter makes a prompt tensor: the check must see it"
+    assert all("device" in kws for _, kws in calls), [c for c, kws in calls if "device" not in kws]
+    assert not typed, typed
+
+
 @pytest.mark.skipif(CUDA, reason="only meaningful without a GPU")
 def test_asking_for_cuda_without_one_is_an_error():
     with pytest.raises(ValueError, match="no CUDA"):

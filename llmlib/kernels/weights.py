@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmlib.device import int4_refused
 from llmlib.quantize import ChannelCodes, Codes, GroupCodes, check_group_size
 
 
@@ -173,6 +174,9 @@ class Int4Weight(PackedWeight):
         self._block = 0  # channels per block of the CPU packed layout, 0 where unknown
         self.register_buffer("codes", None)  # plain codes, kept only where rows() needs them
         if self.on_cuda:
+            why = int4_refused(torch.cuda.get_device_capability(device))
+            if why is not None:
+                raise ValueError(f"int4 weights: {why}; int8 or bfloat16 run there")
             u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()
             packed = torch.ops.aten._convert_weight_to_int4pack(u8, _inner_k_tiles(k))
             self.register_buffer("packed", packed)
