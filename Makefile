@@ -29,7 +29,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JB     := $(BIN)/jupyter-book build -W -n --keep-going .
 
-.PHONY: book test lab venv fetch lint unit test-big build-book pages gpu-check gpu-check-dry clean
+.PHONY: book test lab venv fetch lint unit test-big build-book pages gpu-wheels gpu-check gpu-check-dry clean
 
 book: venv fetch
 	$(JB)
@@ -95,8 +95,24 @@ pages: venv
 
 # The GPU check: tests and benchmarks on a CUDA machine, results under results/gpu/. It runs with
 # the machine's own Python (torch with CUDA already installed there, no network), not the venv.
+# The prepared GPU run, on a lent machine's image as it is (Python 3.12, its own torch, triton,
+# transformers, httpx): `make gpu-wheels` here downloads the few pure wheels that image lacks
+# (the server's fastapi and pydantic, gguf; 3 MB) into .gpu-wheels/, which the run carries;
+# there, `make gpu-check OUT=$$OUT` installs them into a folder of their own and writes every
+# record under OUT. Its budget: 8 minutes on an H100, compiles and captures included (the
+# throughput section stops itself at 120 s); run it with a 9-minute timeout.
+OUT ?= results/gpu
+GPU_WHEELS = fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 gguf==0.19.0
+
+gpu-wheels: venv
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .gpu-wheels $(GPU_WHEELS)
+
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_check.py --out results/gpu
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --target /tmp/llmlib-gpu-site .gpu-wheels/*.whl
+	PYTHONPATH=/tmp/llmlib-gpu-site:$(CURDIR) $(PYTHON) benchmarks/gpu_check.py --out $(OUT)
 
 gpu-check-dry: venv
 	$(BIN)/python benchmarks/gpu_check.py --dry-run --out /tmp/llmlib-gpu-check-dry

@@ -2,12 +2,23 @@
 
 Run on a CUDA machine over a copy of the repository, with no network:
 
-    python benchmarks/gpu_check.py --out results/gpu          # `make gpu-check`
-    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu   # CI, on the CPU, in well under a minute
+    make gpu-wheels                       # here, once: the wheels the GPU image lacks, .gpu-wheels/
+    make gpu-check OUT=$OUT               # there, carrying .gpu-wheels: writes $OUT/gpu_check.json
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu   # CI, on the CPU, in about a minute
 
-Sections (each writes the JSON file again when it finishes, so a run cut short keeps what it did):
+The lent machines' image (Python 3.12, torch 2.11 with CUDA 13, triton 3.6, transformers,
+httpx) lacks the server's fastapi and pydantic, and gguf: ``make gpu-wheels`` downloads those
+eight pure-Python or cp312 wheels (3 MB) and ``make gpu-check`` installs them into a folder of
+their own. The budget is 8 minutes on an H100, compiles and captures included; give the command
+9 (the machine's 15 minutes then leave room for one retry). Nothing has run on a GPU yet: the
+budget is an estimate from the sections' sizes, and the first lent run is its check.
 
-1. ``tests``: ``pytest -m gpu tests`` (tests/test_gpu.py and any other GPU tests; they skip without CUDA).
+Sections (each writes the JSON file again when it finishes, so a run cut short keeps what it did,
+then frees its models, gc.collect and the CUDA cache, before the next sizes its memory):
+
+1. ``tests``: pytest on the test files that hold a ``gpu`` test (test_gpu.py, test_paged_triton.py)
+   and the CUDA steps' meta-device traces (test_cuda_trace.py): only files that import nothing the
+   image lacks.
 2. ``copy_bandwidth``: a large device-to-device copy, the practical ceiling for decode.
 3. ``smollm2_batch1``: SmolLM2-135M in bfloat16 at batch 1, greedy: llmlib eager, llmlib with CUDA
    graphs, and ``transformers``' ``generate`` on the same GPU with the same weights. The real GGUF
@@ -20,6 +31,10 @@ Sections (each writes the JSON file again when it finishes, so a run cut short k
    the bytes a step reads as stored, and that traffic against the measured copy bandwidth.
 5. ``engine_throughput``: the batching engine on 256 requests, prompt and output lengths uniform in
    100..1024 (EOS ignored), random weights of the chosen shape.
+5b. ``paged_kernel``: one layer's decode attention at the engine's setting, the Triton kernel
+   reading the pool in place against the gather path (``benchmarks/paged_attention_gpu.py``).
+5c. ``serve_sweep``: the 8B shape behind the real server on 127.0.0.1, measured by the book's own
+   client at 4 and 16 requests/s and all at once: TTFT, TPOT and ITL percentiles.
 6. ``tensor_parallel``: the engine split over ``--tp`` GPUs with NCCL (skipped on a one-GPU
    machine): a checkpoint of ``--tp-layers`` layers of ``--tp-model``'s shape is saved, then run
    at TP = 1 and TP = N: greedy tokens equal in float32, each rank's weights its shard, every KV
@@ -34,7 +49,9 @@ file is never overwritten by a rehearsal.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import random
 import re
 import statistics
@@ -279,23 +296,23 @@ class Check:
             )[:600],
             flush=True,
         )
+        gc.collect()  # a section's models go before the next one sizes its memory
         if self.place.is_cuda:
             torch.cuda.empty_cache()
 
     # 1
     def tests(self) -> dict:
-        # every test marked `gpu` in the suite (tests/test_gpu.py and any other owner's), nothing else
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(ROOT / "tests"),
+        # the files that hold a test marked `gpu`, and the CUDA steps' traces: collecting the
+        # whole suite would import what the GPU image lacks (gguf, fastapi) at the top of a file
+        files = [
+            str(f)
+            for f in sorted((ROOT / "tests").glob("test_*.py"))
+            if "mark.gpu" in f.read_text() or f.name == "test_cuda_trace.py"
         ]
+        # (a rehearsal collects them and runs only the `gpu` ones, all skipped: make test runs
+        # the rest already)
+        only_gpu = ["-m", "gpu"] if self.dry else []
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *only_gpu, *files]
         proc = subprocess.run(
             cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.args.tests_timeout
         )
@@ -465,6 +482,9 @@ class Check:
             t = r["decode_s_per_token"]
             first_tokens = first_tokens or r["tokens"]
             rows[fmt] = {
+                # greedy tokens shared with bfloat16's from the start (random weights make near
+                # ties, so a split late in the run is rounding, one early a broken kernel)
+                "leading_tokens_as_bfloat16": _agree(first_tokens, r["tokens"]),
                 "tok_s": r["decode_tok_s"],
                 "ms_per_token": 1e3 * t,
                 "bytes_per_decode_step": nbytes,
@@ -576,6 +596,67 @@ class Check:
             "ok": finished_all,
         }
 
+    # 5b
+    def paged_kernel(self) -> dict:
+        """One layer's decode attention at the engine's setting (256 rows of 128 blocks, the 8B
+        heads), the Triton kernel reading the pool in place against the gather path it replaces
+        (``benchmarks/paged_attention_gpu.py``): time, bytes per second, extra memory, equality."""
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import paged_attention_gpu
+
+        size = dict(rows=8, blocks=4) if self.dry else dict(rows=256, blocks=128)
+        args = argparse.Namespace(
+            device=str(self.place.device), dtype=str(self.place.dtype).removeprefix("torch."),
+            block_size=16, heads=32, kv_heads=8, head_dim=128, window=None,
+            repeats=3 if self.dry else 20, **size,
+        )  # fmt: skip
+        res = paged_attention_gpu.run(args)
+        res["ok"] = bool(res["agree"]) and (self.dry or res["served_by_kernel"])
+        return res
+
+    # 5c
+    def serve_sweep(self) -> dict:
+        """The engine behind the real server on 127.0.0.1, measured by the book's own client
+        (``llmlib bench serve``) over a sweep of request rates: TTFT, TPOT and ITL percentiles.
+        The 8B shape with random weights; the tokenizer a small byte-level BPE trained here on
+        the repository's text (the server needs one; the weights are random either way)."""
+        from llmlib.bench import serve as bench
+        from llmlib.engine import AsyncLLM
+        from llmlib.serve import ServerThread, create_app
+        from llmlib.tokenizer.train import train_bpe
+
+        text = (ROOT / "data" / "austen.txt").read_text()[:200_000]
+        tok = train_bpe(text, 1024, special_tokens=["<|endoftext|>"], progress=False)
+        if self.dry:
+            cfg, rates, n, out_len, words = TINY, (4.0, math.inf), 8, 8, 32
+        else:
+            cfg, rates, n, out_len, words = (
+                get_config("llama-3.1-8b"),
+                (4.0, 16.0, math.inf),
+                64,
+                64,
+                190,
+            )
+        cfg = cfg.replace(vocab_size=tok.vocab_size, max_seq_len=1024, eos_token_ids=())
+        model = random_model(cfg, self.place.device, self.place.dtype)
+        engine = AsyncLLM(model, tok, max_num_seqs=64, max_model_len=1024, cuda_graphs=True)
+        engine.start()
+        try:
+            with ServerThread(create_app(engine, "gpu-check")) as server:
+                levels = bench.sweep(
+                    server.url, rates=rates, num_prompts=n, max_tokens=out_len,
+                    prompt_words=words, range_ratio=0.0, warmup=min(16, n), quiet=True,
+                )  # fmt: skip
+        finally:
+            engine.shutdown()
+        keep = ("request_rate", "completed", "failed", "output_throughput")
+        rows = [{k: v for k, v in m.items() if k in keep or k.endswith("_ms")} for m in levels]
+        return {
+            "model": cfg.name, "weights": "random", "requests_per_level": n,
+            "output_tokens": out_len, "prompt_words": words, "levels": rows,
+            "ok": all(m["failed"] == 0 for m in levels),
+        }  # fmt: skip
+
     # 6
     def tensor_parallel(self) -> dict:
         """The engine split over GPUs with NCCL (over CPU processes with gloo in the dry run):
@@ -680,6 +761,8 @@ class Check:
         self.section("llama8b_batch1", self.llama8b)
         self.section("llama8b_formats", self.llama8b_formats)
         self.section("engine_throughput", self.engine)
+        self.section("paged_kernel", self.paged_kernel)
+        self.section("serve_sweep", self.serve_sweep)
         self.section("tensor_parallel", self.tensor_parallel)
         ok = all(s.get("ok") for s in self.report["sections"].values())
         self.report["ok"] = ok
@@ -712,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=None,
         help="run only these sections: tests copy_bandwidth smollm2_batch1 llama8b_batch1 "
-        "engine_throughput tensor_parallel",
+        "llama8b_formats engine_throughput paged_kernel serve_sweep tensor_parallel",
     )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -725,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-timeout",
         type=float,
-        default=240.0,
+        default=120.0,
         help="stop the throughput run after this long",
     )
     ap.add_argument("--tests-timeout", type=float, default=300.0)

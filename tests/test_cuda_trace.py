@@ -11,6 +11,8 @@ between host and device, a host tensor mixed into the device's work.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -22,7 +24,11 @@ from llmlib.engine.runner import ModelRunner
 from llmlib.model.transformer import Transformer
 from llmlib.runtime.graphs import HostSyncCheck, HostSyncError
 
-pytest.importorskip("triton")  # the paged kernel's shape rule runs on the meta device
+# the paged kernel's shape rule runs on the meta device (triton itself is imported only when a
+# test runs: test_paged_triton.py must import it first, under its interpreter, on a CPU)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (the test extra)"
+)
 
 #: gpu_check's engine setting: 256 sequences a step, 2,048 tokens of history (128 blocks of 16)
 MAX_ROWS, MAX_LEN, BS = 256, 2048, 16

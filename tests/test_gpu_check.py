@@ -16,6 +16,8 @@ SECTIONS = [
     "llama8b_batch1",
     "llama8b_formats",
     "engine_throughput",
+    "paged_kernel",
+    "serve_sweep",
     "tensor_parallel",
 ]
 
@@ -71,6 +73,15 @@ def test_gpu_check_dry_run(tmp_path):
         and en["graphs_captured"] > 0
         and en["fixed_shape_decode_steps"] > 0
     )
+    # int8 and int4 greedy tokens compared with bfloat16's, from the first token on
+    assert lf["bfloat16"]["leading_tokens_as_bfloat16"] == s["llama8b_formats"]["new_tokens"]
+    assert all(0 <= r["leading_tokens_as_bfloat16"] <= 16 for r in lf.values())
+    pk = s["paged_kernel"]  # the kernel in the gather path's place, equal on the same inputs
+    assert pk["agree"] and pk["kernel"]["ms"] > 0 and pk["gather"]["ms"] > 0
+    sweep = s["serve_sweep"]["levels"]  # through the real server, rate by rate
+    assert [m["request_rate"] for m in sweep] == [4.0, float("inf")]
+    assert all(m["completed"] == 8 and m["p99_ttft_ms"] > 0 and m["p50_tpot_ms"] > 0 for m in sweep)
+    assert all("p99_itl_ms" in m for m in sweep)
     tp = s["tensor_parallel"]  # the same section on CPU processes with gloo
     assert tp["tokens_equal_fp32"] and tp["weights_are_shards"] and tp["blocks_returned"]
     assert tp["tpN_fp32"]["ranks"][1]["allreduce_calls"] > 0
