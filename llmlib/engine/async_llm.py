@@ -1,4 +1,4 @@
-"""``AsyncLLM``: the batching engine stepping in a background thread, with an asyncio API for servers."""
+"""``AsyncLLM``: the batching engine stepping in a background thread, with an asyncio API."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class QueueFull(RuntimeError):
 
 
 class RequestStream:
-    """The async side of one request: ``async for out in stream`` yields :class:`RequestOutput`\\ s."""
+    """One request's async side: ``async for out in stream`` yields :class:`RequestOutput`\\ s."""
 
     def __init__(self, engine: AsyncLLM, request_id: str) -> None:
         self.engine, self.request_id = engine, request_id
@@ -57,11 +57,8 @@ class RequestStream:
 class AsyncLLM:
     """An :class:`LLM` stepping in a background thread, with an asyncio streaming API for servers.
 
-    The engine thread owns the :class:`LLM`: requests and aborts reach it through a thread-safe
-    queue and are applied between steps, so the event loop never waits for a forward pass.
-    ``max_queue`` bounds the unfinished requests (waiting and running); one more raises
-    :class:`QueueFull`, which a server turns into a 503.
-    """
+    The engine thread owns the :class:`LLM`: requests and aborts reach it between steps, so the
+    event loop never waits for a forward pass. Over ``max_queue`` unfinished: :class:`QueueFull`."""
 
     def __init__(
         self,
@@ -183,7 +180,7 @@ class AsyncLLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- the asyncio API --------------------------------------------------------------------------
+    # ---- the asyncio API -------------------------------------------------------------------------
     def submit(
         self,
         prompt: str | Seq[int],
@@ -191,12 +188,9 @@ class AsyncLLM:
         request_id: str | None = None,
         allow_special: bool = False,
     ) -> RequestStream:
-        """Queue a request now (call from a running event loop); iterate the result for outputs.
-
-        Raises at once: :class:`QueueFull` when ``max_queue`` requests are unfinished, ValueError or
-        TypeError for a request that could never run (too long, bad params, bad ids, a JSON schema
-        that does not compile). ``allow_special``: special tokens in a text prompt count as such.
-        """
+        """Queue a request (from a running event loop); iterate the result for outputs. Raises
+        :class:`QueueFull`, or ValueError/TypeError for a request that can never run (too long,
+        bad params or ids, bad JSON schema). ``allow_special``: a prompt's special tokens count."""
         params = params if params is not None else SamplingParams()
         _, ids = self.llm.encode(prompt, allow_special)
         self.llm.validate(ids, params)
@@ -221,9 +215,8 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a :class:`RequestOutput` per step in which the request got tokens; the last one has
-        ``finish_reason`` set. Leaving the loop early (a client disconnect cancels the task, or the
-        generator is closed) aborts the request and frees its KV blocks."""
+        """Yield a :class:`RequestOutput` per step that gave the request tokens, the last with
+        ``finish_reason``. Leaving early (a client disconnect, a closed generator) aborts it."""
         rs = self.submit(prompt, params, request_id)
         try:
             async for out in rs:
@@ -246,7 +239,7 @@ class AsyncLLM:
         return last
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (safe from any thread, idempotent); its blocks are freed between steps."""
+        """Cancel a request (from any thread, idempotent); its blocks are freed between steps."""
         rid = str(request_id)
         with self._lock:
             stream = self._streams.pop(rid, None)

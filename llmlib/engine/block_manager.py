@@ -1,23 +1,18 @@
 """The block manager: hands out the paged KV cache in fixed-size blocks (chapter 10).
 
-A static KV cache reserves ``max_len`` slots for every sequence up front, and most of them sit
-empty. Here the cache is a pool of small blocks (``block_size`` token slots each, in every layer).
-A sequence owns a *block table*, the list of block ids holding its tokens in order, and takes a
-new block only when its last one is full, so at most ``block_size - 1`` slots per sequence are
-ever allocated but unused {cite}`kwon2023`.
+A static KV cache reserves ``max_len`` slots for every sequence up front, and most sit empty.
+Here the cache is a pool of small blocks (``block_size`` token slots each, in every layer); a
+sequence's *block table* lists the blocks holding its tokens, in order, and grows only when its
+last block is full: at most ``block_size - 1`` slots per sequence sit unused {cite}`kwon2023`.
 
-Prefix sharing. A block that is full is named by a hash of its tokens *and of the block before
-it* (a chain), so the same hash means the same tokens at the same positions with the same
-history. When a new prompt starts with blocks already in the pool (a shared system prompt),
-it points its block table at them, bumps their reference counts, and skips computing them.
-Freed blocks keep their contents and their hash until the slot is handed to someone else, so a
-prefix computed by a request that has already finished can still be reused.
+Prefix sharing. A full block is named by a hash of its tokens *and of the block before it* (a
+chain): the same hash means the same tokens, positions and history. A new prompt starting with
+blocks in the pool (a shared system prompt) points its table at them, bumps their reference
+counts and skips computing them. Freed blocks keep contents and hash until reused, so a finished
+request's prefix can still serve.
 
-The manager only does bookkeeping on integers; the tensors live in :mod:`llmlib.engine.paged_cache`.
-It works on any sequence object with the attributes of
-:class:`~llmlib.engine.sequence.SequenceView` (``token_ids``, ``block_table``,
-``num_computed_tokens``, ``num_cached_tokens``), which :class:`~llmlib.engine.sequence.Sequence`
-provides.
+The manager keeps books on integers only (tensors: :mod:`llmlib.engine.paged_cache`), for any
+:class:`~llmlib.engine.sequence.SequenceView`, such as :class:`~llmlib.engine.sequence.Sequence`.
 """
 
 from __future__ import annotations
@@ -30,11 +25,8 @@ from llmlib.engine.sequence import SequenceView
 
 
 def block_hash(parent: int | None, tokens: Seq[int]) -> int:
-    """Hash of one full block, chained to its parent's hash.
-
-    Python's hash of a tuple of ints is deterministic across runs (only str/bytes hashing is
-    salted), and chaining makes equal hashes mean equal *prefixes*, not merely equal blocks.
-    """
+    """Hash of one full block, chained to its parent's: equal hashes mean equal *prefixes*.
+    A tuple of ints hashes the same in every run (only str/bytes hashing is salted)."""
     return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
@@ -142,13 +134,10 @@ class BlockManager:
         return h
 
     def plan(self, seq: SequenceView, use_cache: bool = True) -> AllocationPlan:
-        """How many blocks admitting ``seq`` would take, and which prefix blocks it would reuse.
-
-        Raises :class:`PrefixPending` when a prefix block it could share is allocated but not yet
-        computed (another sequence is prefilling it in this step): waiting one step turns that
-        into a hit, which is what makes a shared prefix computed exactly once. ``use_cache=False``
-        computes every token (a request that wants every prompt position's logits).
-        """
+        """How many blocks admitting ``seq`` takes, and which prefix blocks it reuses. Raises
+        :class:`PrefixPending` when a block it could share is being prefilled this step: waiting
+        a step makes it a hit, so a shared prefix is computed once. ``use_cache=False`` computes
+        every token (for every prompt position's logits)."""
         tokens = seq.token_ids
         bs = self.block_size
         n_blocks = self.blocks_for(len(tokens))
@@ -160,8 +149,7 @@ class BlockManager:
             h = self._hash(seq, i, parent, chunk) if len(chunk) == bs else None
             plan.hashes.append(h)
             parent = h
-            # The last token is never taken from the cache: its logits are needed to sample
-            # the next token, so at least one token of every sequence is computed.
+            # the last token is always computed: its logits sample the next token
             if hitting and h is not None and (i + 1) * bs <= len(tokens) - 1:
                 bid = self.hash_to_block.get(h)
                 if bid is not None and self.blocks[bid].token_ids == tuple(chunk):
@@ -176,11 +164,8 @@ class BlockManager:
         return plan
 
     def allocate(self, seq: SequenceView, plan: AllocationPlan | None = None) -> None:
-        """Give ``seq`` a block table covering all its tokens, reusing cached prefix blocks.
-
-        Sets ``seq.num_cached_tokens`` and ``seq.num_computed_tokens`` to the number of tokens
-        whose keys/values are already in the pool.
-        """
+        """Give ``seq`` a block table, reusing cached prefix blocks; set its cached and computed
+        token counts."""
         if seq.block_table:
             raise ValueError("allocate: the sequence already has a block table")
         plan = plan if plan is not None else self.plan(seq)
@@ -201,8 +186,7 @@ class BlockManager:
             else:
                 block = self._take_free()
                 if h is not None and self.enable_prefix_caching:
-                    # A full prompt block: its tokens are known now, so register it at once;
-                    # it stays "pending" (not computed) until the forward pass has written it.
+                    # a full prompt block: indexed now, "pending" until its pass writes it
                     block.hash = h
                     block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                     self.hash_to_block.setdefault(h, block.block_id)
@@ -213,14 +197,9 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens
 
     def fork(self, parent: SequenceView, child: SequenceView) -> list[tuple[int, int]] | None:
-        """Give ``child`` the parent's KV blocks (``n > 1``: one prompt, several choices).
-
-        Full blocks are shared (their reference counts go up; no key or value is recomputed or
-        copied). A last block that is only partly filled is copied on write: the child gets a
-        fresh block, since each choice writes its own next tokens into it. Returns the
-        ``(source, destination)`` block copies the cache must make, or None (nothing changed)
-        when no free block is left for them.
-        """
+        """Give ``child`` the parent's KV blocks (``n > 1``), sharing full ones and copying a
+        partly filled last one, which each choice writes on. Returns the ``(source,
+        destination)`` copies the cache must make, or None (nothing changed) if no block is free."""
         if child.block_table:
             raise ValueError("fork: the child already has a block table")
         bs = self.block_size
@@ -247,8 +226,7 @@ class BlockManager:
         return missing <= len(self.free)
 
     def append_slots(self, seq: SequenceView, lookahead: int = 0) -> None:
-        """Grow the block table so it covers every token of the sequence (after a decode step),
-        and ``lookahead`` slots more for tokens proposed by speculative decoding."""
+        """Grow the block table to cover every token, and ``lookahead`` (speculative) slots more."""
         while len(seq.block_table) * self.block_size < len(seq.token_ids) + lookahead:
             if not self.free:
                 raise RuntimeError(
@@ -257,11 +235,7 @@ class BlockManager:
             seq.block_table.append(self._take_free().block_id)
 
     def mark_computed(self, seq: SequenceView) -> None:
-        """After a forward pass: flag blocks now fully written, and index newly full ones.
-
-        Decode fills blocks one token at a time; once a block is full and written, it gets its
-        chain hash so a later request (or this one, recomputed after preemption) can reuse it.
-        """
+        """After a pass: flag blocks now fully written, and hash newly full ones for reuse."""
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         first = n_full  # the computed blocks are a prefix of the table: walk back to its end
@@ -282,8 +256,7 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
 
     def trim(self, seq: SequenceView) -> int:
-        """Return the blocks past the sequence's tokens (speculative decoding's refused
-        proposals held them); they were never computed, so they go back empty. Returns how many."""
+        """Free the blocks past the tokens (refused drafts held them, never computed); how many."""
         keep = max(self.blocks_for(len(seq.token_ids)), 0)
         extra = seq.block_table[keep:]
         for bid in reversed(extra):
@@ -297,11 +270,8 @@ class BlockManager:
         return len(extra)
 
     def free_seq(self, seq: SequenceView) -> None:
-        """Return a sequence's blocks (finished, aborted or preempted): drop one reference each.
-
-        A block whose count reaches zero goes back on the free list *with its contents*, so the
-        prefix index can still find it; a pending block (never computed) is unindexed instead.
-        """
+        """Drop a reference to each of a sequence's blocks (finished, aborted or preempted). At
+        zero a block is freed *with its contents*, still indexed, unless it was never computed."""
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             if block.ref_count <= 0:
@@ -319,11 +289,8 @@ class BlockManager:
 
     # ---- accounting -------------------------------------------------------------------------
     def usage(self, seqs: Seq[SequenceView]) -> tuple[int, int]:
-        """(slots allocated, slots holding a token) over the blocks of the given sequences.
-
-        A block shared by several sequences is counted once. The difference is the memory that
-        is allocated but unused: in a paged cache, only the tail of each sequence's last block.
-        """
+        """(slots allocated, slots holding a token) over these sequences' blocks, shared ones
+        counted once. The difference, unused memory, is only each sequence's last block's tail."""
         bs = self.block_size
         full: set[int] = set()  # blocks some sequence fills (a set: in C, every step)
         tail: dict[int, int] = {}  # the others: a last block, or ones held ahead of the tokens

@@ -1,20 +1,16 @@
 """``EngineConfig``: everything :class:`llmlib.LLM` runs with, asked for once and resolved once.
 
-Every default of the engine is decided here, from the arguments, the flags record
-(:mod:`llmlib.kernels.flags`: the CPU and the ``LLMLIB_*`` switches) and the machine (its
-device, its free memory). ``LLM``, the ``llmlib`` commands and the server all hand ``LLM`` an
-:class:`EngineConfig`; nothing downstream picks a default of its own. Two steps, because some
-answers need the loaded model:
+Every engine default is decided here, from the arguments, the flags record
+(:mod:`llmlib.kernels.flags`: the CPU, the ``LLMLIB_*`` switches) and the machine; nothing
+downstream picks its own. Two steps, as some answers need the loaded model:
 
-* :meth:`EngineConfig.with_format`, before loading: the device, the activations' dtype and the
-  weight format (:func:`llmlib.device.choose_format`): for an engine of one sequence
-  (``max_num_seqs=1``: ``llmlib generate`` and ``chat``) the one that decodes one request
-  fastest, else the one that serves batches fastest;
-* :meth:`EngineConfig.resolved`, after: the context length, the pool, the step's token budget
-  and the *run mode*, how a step runs (:data:`RUN_MODES`, turned into the step object by
-  :func:`llmlib.engine.run_mode.pick_steps`).
+* :meth:`EngineConfig.with_format`, before loading: device, activation dtype and weight format
+  (:func:`llmlib.device.choose_format`), the fastest for one request with ``max_num_seqs=1``
+  (``llmlib generate``, ``chat``), else for batches;
+* :meth:`EngineConfig.resolved`, after: context length, pool, token budget and the *run mode*
+  (:data:`RUN_MODES`, made a step object by :func:`llmlib.engine.run_mode.pick_steps`).
 
-The timing line of ``llmlib generate`` and the server's ``/health`` print the resolved config.
+``llmlib generate``'s timing line and the server's ``/health`` print the resolved config.
 """
 
 from __future__ import annotations
@@ -25,20 +21,17 @@ from typing import Any
 
 import torch
 
-#: How the engine's steps run: ``eager`` (the model's forward pass over the paged step);
-#: ``fixed`` (all-decode and short prompt steps on fixed shapes, run as they are: a CPU asked for
-#: ``cuda_graphs``); ``cuda-graphs`` (all-decode steps replayed from CUDA graphs); ``compiled``
-#: (fixed shapes through one compiled graph, kept on disk for a model from a file);
-#: ``invariant`` and ``invariant-compiled`` (batch-invariant, :mod:`llmlib.engine.invariant`).
+#: How the engine's steps run: ``eager`` (the model over the paged step); ``fixed`` (fixed shapes
+#: run as they are: a CPU asked for ``cuda_graphs``); ``cuda-graphs`` (all-decode steps replayed
+#: from CUDA graphs); ``compiled`` (one compiled graph, on disk for a model from a file);
+#: ``invariant``, ``invariant-compiled`` (batch-invariant, :mod:`llmlib.engine.invariant`).
 RUN_MODES = ("eager", "fixed", "cuda-graphs", "compiled", "invariant", "invariant-compiled")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What :class:`llmlib.LLM` runs with; ``None`` means "the default", which :meth:`with_format`
-    and :meth:`resolved` fill. The fields are ``LLM``'s keyword arguments (its docstring); the
-    pool defaults to ``kv_cache_bytes`` worth, else to the memory left after loading
-    (:func:`default_num_blocks`)."""
+    """What :class:`llmlib.LLM` runs with: its keyword arguments; ``None`` is "the default",
+    filled by :meth:`with_format` and :meth:`resolved` (the pool: :func:`default_num_blocks`)."""
 
     device: Any = None
     dtype: Any = None
@@ -97,10 +90,8 @@ class EngineConfig:
         return self.max_num_seqs == 1
 
     def with_format(self, model: Any) -> EngineConfig:
-        """The device, dtype and quantization to load ``model`` (a path) with: as asked, or when
-        neither a dtype nor a quantization is given, the machine's fastest accurate format for
-        this engine's batches (:func:`llmlib.device.choose_format`). A loaded model (an
-        ``nn.Module``) keeps its own unless asked."""
+        """Device, dtype and quantization to load ``model`` (a path) with: as asked, else the
+        fastest accurate format (:func:`llmlib.device.choose_format`); a module keeps its own."""
         from pathlib import Path
 
         from llmlib.device import choose_format
@@ -114,10 +105,9 @@ class EngineConfig:
         return self.replace(device=place.device, dtype=place.dtype, quantization=q)
 
     def resolved(self, model: torch.nn.Module, source: Any) -> EngineConfig:
-        """Every default filled, for the loaded ``model`` (a rank's slice under tensor
-        parallelism: its KV heads size the pool). ``source`` is what ``LLM`` was given, a
-        checkpoint's path or the model itself: a checkpoint compiles by default on a CPU, a
-        model handed in does not (:func:`llmlib.device.compiles_by_default`)."""
+        """Every default filled, for the loaded ``model`` (under tensor parallelism a rank's
+        slice: its KV heads size the pool). ``source`` is what ``LLM`` was given: a checkpoint
+        compiles by default on a CPU, a model not (:func:`llmlib.device.compiles_by_default`)."""
         from llmlib.device import compiles_by_default
         from llmlib.shapes import kv_cache_bytes as kv_formula
 
@@ -198,10 +188,9 @@ def default_num_blocks(
     max_num_seqs: int,
     kv_cache_bytes: int | None,
 ) -> int:
-    """The KV pool's size when no ``num_blocks`` is given: ``kv_cache_bytes`` worth (by default
-    80% of what is free on a GPU; on a CPU 1 GiB, or half of what is left if less: a big model
-    on a small machine gets the pool that fits beside it), never more than ``max_num_seqs``
-    full-length sequences (plus one block each) could use."""
+    """The KV pool's size without ``num_blocks``: ``kv_cache_bytes`` worth (default: 80% of a
+    GPU's free memory; on a CPU 1 GiB, or half of what is free if less, so a big model on a small
+    machine gets the pool that fits beside it), at most ``max_num_seqs`` full sequences' worth."""
     from llmlib.device import free_memory
     from llmlib.shapes import kv_cache_bytes as kv_formula
 

@@ -3,15 +3,13 @@
 A decode step is a few hundred small operators. Two things make it fast, and both need a *fixed
 shape* (the same tensors at the same addresses, whatever the batch): on a GPU a CUDA graph
 replays the step with one launch (:class:`llmlib.runtime.graphs.StepGraphs`); on a CPU inductor
-compiles it into one graph (:mod:`llmlib.runtime.compile`), exported once per machine with its
-sizes symbolic and kept on disk (:mod:`llmlib.runtime.aot`), beside a package for the step of one
-row, which ``llmlib generate`` runs for every token.
+compiles it into one graph (:mod:`llmlib.runtime.compile`), exported once per machine with
+symbolic sizes and kept on disk (:mod:`llmlib.runtime.aot`), beside a one-row package that
+``llmlib generate`` runs for every token.
 
-:class:`FixedStep` is such a step over the paged pool: ``rows`` tokens, each a row with its own
-position, write slot, block table and key count, in buffers allocated once and refilled each step
-(:meth:`FixedStep.fill`). :class:`FixedSteps` keeps one per shape, rounded up, and serves
-all-decode steps and, where they fit, steps with prompt chunks too. Which runs an engine's steps
-is decided in one place: :func:`llmlib.engine.run_mode.pick_steps`.
+:class:`FixedStep` is such a step over the paged pool, in buffers allocated once and refilled each
+step. :class:`FixedSteps` keeps one per shape, rounded up, for all-decode steps and, where they
+fit, steps with prompt chunks. :func:`llmlib.engine.run_mode.pick_steps` decides which runs.
 """
 
 from __future__ import annotations
@@ -45,10 +43,8 @@ from llmlib.runtime.graphs import StepGraphs
 def engine_forward(
     model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, step: Any
 ) -> torch.Tensor:
-    """The engine's forward pass over one step: logits ``[rows, vocab]``, or, for a step with a
-    ``heads`` buffer, only the rows it names, in its order (the LM head, a product as wide as the
-    vocabulary, runs only where a token is sampled). What a fixed-shape step runs, eagerly,
-    compiled, or captured in a CUDA graph."""
+    """A fixed-shape step's forward pass: logits ``[rows, vocab]``, or of the rows ``heads``
+    names, in order (the LM head, as wide as the vocabulary, runs only where a token is sampled)."""
     h = model.hidden(ids, positions, step)  # [1, rows, d_model]
     heads = getattr(step, "heads", None)
     # the rows stay the middle axis, as in a prefill's last position: a graph traced at one row
@@ -59,23 +55,15 @@ def engine_forward(
 class FixedStep:
     """A step of ``rows`` tokens with fixed shapes and addresses, which a CUDA graph can replay.
 
-    Every token is a row: its id, its position, the pool slot its keys and values go to, its
-    sequence's block table (``blocks`` wide) and how many keys it sees. All of it lives in
-    buffers allocated once (a :class:`~llmlib.engine.paged_cache.StepLayout` with one decode
-    group); :meth:`fill` writes a new step's values into them, so a graph
-    captured over this step reads the new values on replay. Rows past the real ones are padding:
-    they write into ``scratch_block``, a block the block manager never hands out, and read only
-    its first slot.
+    Every token is a row: id, position, write slot, block table (``blocks`` wide) and key count,
+    in buffers allocated once (a :class:`~llmlib.engine.paged_cache.StepLayout` with one decode
+    group) that :meth:`fill` rewrites, so a captured graph reads each new step on replay. Padding
+    rows write into ``scratch_block``, which the block manager never hands out.
 
-    The values are written on the host, through NumPy views (a few microseconds for a whole
-    step, where a tensor operation per field costs that much each). On a CPU those views are the
-    step's own buffers; on a GPU they are pinned host mirrors, copied to the device buffers
-    without blocking (:meth:`upload`), so the CPU prepares the next step while the GPU runs.
-
-    Only the rows the ``heads`` buffer names get logits (by default every row, in order).
-    ``masked=False`` promises that the kernel serves every layer's attention, so the masks are
-    never read and :meth:`fill` leaves them as they are.
-    """
+    Values are written through NumPy views (a few microseconds a step; a tensor operation per
+    field costs that much each), on a GPU into pinned mirrors copied without blocking
+    (:meth:`upload`) so the CPU prepares the next step while the GPU runs. ``masked=False``
+    promises the kernel serves every attention, so :meth:`fill` leaves the (unread) masks."""
 
     def __init__(
         self,
@@ -138,8 +126,7 @@ class FixedStep:
         lens: torch.Tensor,
         heads: torch.Tensor,
     ) -> FixedStep:
-        """A step over the given buffers (``table`` as ``[rows, blocks]``): what a step compiled
-        ahead of time receives as its inputs."""
+        """A step over given buffers (``table``: ``[rows, blocks]``): a compiled step's inputs."""
         step = cls.__new__(cls)
         rows, blocks = table.shape
         step.cache, step.ids, step.num_rows, step.num_blocks = cache, ids, rows, blocks
@@ -171,11 +158,9 @@ class FixedStep:
         spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
     ) -> torch.Tensor:
-        """Write the new keys and values, then attend: row ``i`` is the query at column ``i`` of
-        the one decode group, so where the kernel serves, the queries go to it as they lie (no
-        index picks them out, none puts the output back: a few operators less per layer, on
-        every step). Elsewhere, the paged step's masked attention (a sliding window is a mask
-        computed from the position buffer, so a captured graph applies it on every replay)."""
+        """Write the new keys and values, then attend: the kernel takes row ``i``'s query as it
+        lies (fewer operators per layer); elsewhere :func:`~llmlib.engine.paged_cache.paged_attend`,
+        whose window mask, computed from the position buffer, a replayed graph applies anew."""
         cache = self.cache
         if not (cache.kernel and serves_spec(spec)):
             return paged_attend(cache, self.layout, layer, q, k, v, spec)
@@ -194,12 +179,9 @@ class FixedStep:
         token_ids: Sequence[int],
         heads: Sequence[int] | None = None,
     ) -> None:
-        """Write one step into the buffers, every token of ``chunks`` a row of its own, in order:
-        its id, its position, its sequence's block table, its slot. Rows of one chunk read each
-        other's keys as a prompt's tokens do (every row's keys are written before any row
-        attends, and each attends up to its own position). The rows after them are padding:
-        token 0 at position 0 of the scratch block, which no sequence owns. ``heads``: the rows to
-        return logits for (None leaves the buffer as it is: by default every row)."""
+        """Write one step, every token of ``chunks`` a row in order (all keys are written before
+        any row attends, so a chunk's rows see each other as a prompt's do), the rest padding.
+        ``heads``: the rows to return logits for (None leaves the buffer: by default all)."""
         bs, nb, R, a = self.cache.block_size, self.num_blocks, self.num_rows, self._np
         table = a["table"].reshape(R, nb)
         pos, slots = a["positions"][0], a["slots"]
@@ -228,8 +210,7 @@ class FixedStep:
         self._pad(r)
 
     def _pad(self, k: int) -> None:
-        """Rows from ``k`` on are padding; the key counts follow from the positions; then the
-        values go to the device."""
+        """Pad rows ``k`` on, set the key counts from the positions, upload."""
         a = self._np
         if k < self.num_rows:
             a["ids"][0, k:] = 0
@@ -243,18 +224,15 @@ class FixedStep:
             g.mask.copy_((self._key_pos[None, :] <= self.positions[0][:, None])[:, None, None])
 
     def upload(self) -> None:
-        """Copy the host values to the device buffers, without blocking (on a CPU, nothing: the
-        host views are the buffers). The engine reads each step's sampled tokens on the host
-        before it fills the next step, so a host buffer is never rewritten while its copy is in
-        flight."""
+        """Copy the host values to the device without blocking (on a CPU, nothing). The engine
+        reads each step's tokens before filling the next, so no copy in flight is overwritten."""
         if self._buf is not self._host:
             for k, v in self._host.items():
                 self._buf[k].copy_(v, non_blocking=True)
 
 
-#: the most query-key pairs a step of prompt chunks may hold and still run every token as a row
-#: through the attention kernel (the sum over chunks of length x keys read): beyond it the eager
-#: step's attention, which reads each key once for a whole chunk, is the faster
+#: the most query-key pairs (length x keys, summed over chunks) of a step run every token a row
+#: through the kernel: beyond it the eager attention, reading each key once a chunk, is faster
 TOKEN_KEYS = 512 * 1024
 
 
@@ -268,15 +246,9 @@ def bucket(n: int, limit: int) -> int:
 
 class FixedSteps:
     """All-decode steps on fixed shapes: CUDA graphs on a GPU, one compiled graph on a CPU, or
-    the same shapes run as they are (what the tests exercise).
-
-    A step in which every scheduled sequence decodes one token runs on a :class:`FixedStep` of
-    ``rows x blocks``, both rounded up to a power of two (at most ``max_rows`` and
-    ``max_blocks``): 37 sequences whose longest history spans 9 blocks run in the step for 64
-    rows of 16 blocks. With ``graphs`` each shape is captured the first time it is needed (or
-    ahead of time with :meth:`capture`), every graph in one memory pool. ``forward(ids,
-    positions, step)`` returns the step's logits. ``path`` says what runs them.
-    """
+    the shapes run as they are (what the tests exercise). A step runs on a :class:`FixedStep` of
+    ``rows x blocks``, each rounded up to a power of two; with ``graphs`` each shape is captured
+    when first needed (or by :meth:`capture`), all in one memory pool. ``path`` says what runs."""
 
     def __init__(
         self,
@@ -342,9 +314,8 @@ class FixedSteps:
         )
 
     def capture(self, max_rows: int | None = None, max_blocks: int | None = None) -> int:
-        """Build (capture, on a GPU) every (rows, blocks) step up to these sizes (default: the
-        limits) ahead of time, largest first, so that timed runs never pay for a capture.
-        Returns how many exist."""
+        """Build (on a GPU, capture) every (rows, blocks) step up to these sizes ahead of time,
+        largest first, so timed runs never pay for a capture. Returns how many exist."""
         R = min(max_rows or self.max_rows, self.max_rows)
         NB = min(max_blocks or self.max_blocks, self.max_blocks)
         rows = sorted({bucket(n, self.max_rows) for n in range(1, R + 1)}, reverse=True)
@@ -353,18 +324,15 @@ class FixedSteps:
 
     @torch.inference_mode()
     def run_padding(self, rows: int) -> None:
-        """Run the fixed-shape step of ``rows`` rows (a bucket) once, all padding: it writes only
-        into the scratch block. A graph compiled in memory compiles here."""
+        """Run the ``rows``-row step once, all padding (an in-memory graph compiles here)."""
         size = min(self.min_size, self.max_blocks)
         step = self.steps.entry((bucket(max(rows, self.min_size), self.max_rows), size))[0]
         self.forward(step.ids, step.positions, step)
 
     def serves_tokens(self, chunks: Sequence[SeqChunk], max_rows: int) -> bool:
-        """Whether a step of these chunks (prompt chunks among them) may run here, every token a
-        row (:meth:`run_tokens`): not replayed from a graph (a graph per token count would be
-        many), every attention the kernel's (one query at a time reads its keys in place), at
-        most ``max_rows`` tokens, and queries that read few enough keys that the kernel's one
-        query at a time is no slower than the eager step's attention over the whole chunk."""
+        """Whether a step with prompt chunks may run here, every token a row (:meth:`run_tokens`):
+        no graphs (one per token count would be many), every attention the kernel's, at most
+        ``max_rows`` tokens, and few enough keys (:data:`TOKEN_KEYS`) to be no slower."""
         if self.enabled or self.masked:
             return False
         bs = self.cache.block_size
@@ -376,10 +344,8 @@ class FixedSteps:
     def run_tokens(
         self, chunks: Sequence[SeqChunk], token_ids: Sequence[int], select: Sequence[int]
     ) -> torch.Tensor:
-        """Logits ``[len(select), vocab]`` for a step of any chunks through the fixed-shape step,
-        every token a row (:meth:`FixedStep.fill`), the LM head on the rows ``select``
-        names (``serves_tokens(chunks)`` must hold). The rows are rounded up to a power of two
-        up to 32, then to a multiple of 32: a few padding rows, and few shapes."""
+        """Logits ``[len(select), vocab]``, every token a row (``serves_tokens`` must hold); rows
+        round up to a power of two to 32, then a multiple of 32: little padding, few shapes."""
         bs, tokens = self.cache.block_size, len(token_ids)
         rows = bucket(tokens, 32) if tokens <= 32 else -(-tokens // 32) * 32
         blocks = bucket(max(-(-(c.start + c.length) // bs) for c in chunks), self.max_blocks)
@@ -389,8 +355,7 @@ class FixedSteps:
         return out[: len(select)]
 
     def run(self, chunks: Sequence[Any], token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold);
-        ``chunks`` are the scheduler's (``.seq.block_table``) or :class:`SeqChunk` s."""
+        """Logits ``[len(chunks), vocab]`` for one decode step (``fits(chunks)`` must hold)."""
         fixed = [
             c if isinstance(c, SeqChunk) else SeqChunk(c.seq.block_table, c.start, 1)
             for c in chunks
@@ -413,9 +378,8 @@ def pool_over(k: list[torch.Tensor], v: list[torch.Tensor]) -> PagedKVCache:
 
 
 class ExportedStep(nn.Module):
-    """The fixed-shape step as a module ``torch.export`` can trace:
-    ``(ids, positions, write_slots, table, mask, lens, heads, *pool_k, *pool_v)`` -> logits
-    ``[heads, vocab]``, the pool written in place."""
+    """The fixed-shape step as a module ``torch.export`` can trace: ``(ids, positions,
+    write_slots, table, mask, lens, heads, *pool_k, *pool_v)`` -> logits, pool written in place."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -434,17 +398,11 @@ def load_package(
     log: Callable[[str], None] | None = None,
     one_row: bool = False,
 ):
-    """``forward(ids, positions, step)`` for the fixed-shape steps over ``cache``, from its package
-    on disk (compiled and stored first if there is none): ``(forward, cached)``, or
-    ``(None, False)`` where the model has no key or the step cannot be compiled ahead of time
-    here (the caller then compiles it in memory).
-
-    Two packages of the same step: by default the rows and heads are symbols, so one package
-    serves every batch and both group sizes of the batch-invariant engine; ``one_row`` is the
-    step of one row (one request decoding), traced at that size. A graph traced for any number
-    of rows keeps the code of a many-row product (a GEMM tuned for the example's rows); one row is
-    a matrix-vector product, which wants other code (the one-row float32 kernel, a GEMV where
-    inductor times its own kernels), and is the step ``llmlib generate`` runs every token."""
+    """``(forward, cached)`` for the steps over ``cache`` from its package on disk (compiled
+    first if missing); ``(None, False)`` where the model has no key or this cannot compile ahead
+    of time (the caller then compiles in memory). Rows and heads are symbols: one package serves
+    every batch. ``one_row`` traces the one-row step (``llmlib generate``'s), as a graph for any
+    rows keeps a GEMM's code and one row wants a GEMV's (the one-row float32 kernel)."""
     wrapper = ExportedStep(model)
 
     def compile(path: Path) -> None:
@@ -498,15 +456,12 @@ def compiled_forward(
     log: Callable[[str], None] | None = None,
     rows: str = "any",
 ) -> tuple[Callable, str, float | None, bool]:
-    """The compiled fixed-shape step: ``(forward, path, compile seconds, in memory)``. The graph
-    runs a view of ``model`` in which every matrix is what a graph should multiply
-    (:func:`llmlib.runtime.compile.graph_view`; the model keeps its own layouts for the eager
-    steps). From its packages on disk for a model loaded from a file (:func:`load_package`):
-    ``rows="any"`` both the one-row package (a step of one row runs it) and the package for any
-    number of rows, ``"one"`` the first only (an engine of one sequence), ``"many"`` the second
-    only (the batch-invariant groups). Else one ``torch.compile`` graph in memory with every
-    size symbolic, shared by every engine on the model and compiled at its first call
-    (:meth:`llmlib.engine.run_mode.Steps.compile_now`)."""
+    """The compiled step, ``(forward, path, compile seconds, in memory)``, over a view of
+    ``model`` holding what a graph should multiply (:func:`llmlib.runtime.compile.graph_view`).
+    For a model from a file, its packages on disk (:func:`load_package`): ``rows="any"`` the
+    one-row and any-row packages, ``"one"`` the first, ``"many"`` the second. Else one in-memory
+    ``torch.compile`` graph, every size symbolic, shared by the model's engines and compiled at
+    its first call (:meth:`llmlib.engine.run_mode.Steps.compile_now`)."""
     from llmlib.runtime.compile import graph_view
 
     t0 = time.perf_counter()

@@ -1,53 +1,40 @@
 """Batch-invariant steps: a token's logits bitwise the same whatever else shares its step.
 
-Floating-point addition is not associative, so a sum computed in another order can differ in its
-last bits; near a tie between two tokens that flips a greedy choice. In the default engine the
-order of a token's sums depends on its company: the kernel library picks its matrix-product kernel
-from the number of rows (the step's token count), and attention splits the keys into blocks whose
-size depends on the chunk's length (``F.scaled_dot_product_attention``) or pads a decode group to
-its longest member. So the same request run alone, in a batch, with its prompt chunked another
-way, recomputed after a preemption, or started from cached prefix blocks can produce different
-logits (Going further 3 measures by how much, :mod:`llmlib.analysis.invariance`).
+Floating-point addition is not associative: summed in another order, a result can differ in its
+last bits, and near a tie that flips a greedy choice. In the default engine a token's order
+depends on its company: the matrix-product kernel is picked by the step's token count, and
+attention splits keys into blocks sized by the chunk (``F.scaled_dot_product_attention``) or pads
+a decode group to its longest member. So a request run alone, batched, chunked another way,
+recomputed after a preemption or started from cached prefix blocks can give different logits
+(Going further 3 measures by how much, :mod:`llmlib.analysis.invariance`).
 
-``LLM(..., batch_invariant=True)`` fixes every reduction's order independently of the batch, the
-recipe of He et al. ("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant
-mode:
+``LLM(..., batch_invariant=True)`` fixes every reduction's order whatever the batch, as He et al.
+("Defeating Nondeterminism in LLM Inference", 2025) and vLLM's batch-invariant mode do:
 
 * weight-matrix products are taken ``ROW_TILE`` rows at a time, zero-padded (the last tile to a
   size checked to give a whole tile's bits, :func:`llmlib.kernels.prepare.row_tiled`), and row
   ``i`` of a product depends only on row ``i`` of its input;
 * RMSNorm, RoPE, SiLU and the residual adds are per row already;
-* attention (:class:`InvariantStep`), where the paged kernel runs
-  (:mod:`llmlib.kernels.paged_attention`), takes each query on its own: its keys, from its window's
-  start to its position, in chunks fixed by that position and the block size, so a query's sums
-  depend on nothing else in the step. Elsewhere it cuts every sequence's queries into tiles of
-  ``Q_TILE`` positions aligned to absolute positions (position ``p`` is always row ``p % Q_TILE`` of its
-  tile), and walks the keys from position 0 in tiles of ``K_TILE`` with an online softmax, each
-  query tile only as far as its last query's position. A query's sums then depend only on its
-  position and its sequence's keys: not on how its prompt was chunked, whether it is a prompt
-  token or a decoded one (so a recompute after preemption rebuilds the same keys and values),
-  nor on which other sequences share the step (the masked keys of a tile's last key tile add
-  exact zeros, and batched products compute each tile's matrices as if alone).
+* attention (:class:`InvariantStep`) takes each query alone through the paged kernel
+  (:mod:`llmlib.kernels.paged_attention`), in chunks fixed by its position and the block size;
+  elsewhere in tiles of ``Q_TILE`` positions aligned to absolute positions, walking the keys from
+  position 0 in tiles of ``K_TILE`` with an online softmax. A query's sums then depend only on
+  its position and its sequence's keys: not on how its prompt was chunked, whether it is a prompt
+  or a decoded token (so a recompute after preemption rebuilds the same keys and values), nor on
+  the other sequences (masked keys add exact zeros; batched products compute each tile alone).
 
-The products run in the model's format: a fixed shape makes any deterministic kernel invariant
-that treats every row of a tile alike, which the view checks for each kind of matrix
-(:func:`~llmlib.kernels.prepare.row_tiled`). Attention runs in float32. Its cost,
-``llmlib bench batching --batch-invariant`` measures against the default mode.
+Products run in the model's format: a fixed shape makes invariant any deterministic kernel that
+treats a tile's rows alike, as the view checks. Attention runs in float32. The cost:
+``llmlib bench batching --batch-invariant``.
 
-Compiled (``LLM(path, batch_invariant=True)`` by default on a CPU with AMX, see
-:func:`~llmlib.device.compiles_by_default`), the mode holds the shapes still instead
-(:class:`InvariantRows`): every token of a step is one row of a group of exactly
-``PROMPT_TILE`` rows (a prompt's tokens) or ``ROW_TILE`` rows (generated ones), run through the
-engine's compiled step. A compiled graph picks its own kernels and fuses operators as it likes,
-but fed one shape it runs the same code every time, and nothing in it mixes rows: products,
-norms and activations are row by row, and the paged kernel gives each row its own keys. One shape
-does not make every row of a product run the same code, though (MKL's float32 kernel for AVX2
-computes rows 30 and 31 of 32 another way), so the engine checks each size at start and takes
-the first that passes (:meth:`InvariantRows.settle`), or runs the eager steps if none does. The
-graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.fixed_step`), shared with
-the default engine; compiled in memory (a model built in memory), inductor may tune its kernels
-differently in another process, so the guarantee is within one engine's process. Its results
-are not bitwise those of the eager steps above, only equally invariant.
+Compiled (by default on a CPU with AMX, :func:`~llmlib.device.compiles_by_default`), the mode
+holds the shapes still instead (:class:`InvariantRows`): every token is one row of a group of
+``PROMPT_TILE`` or ``ROW_TILE`` rows through the engine's compiled step. A compiled graph picks
+its own kernels, but fed one shape it runs the same code every time; the engine checks at start
+that a size computes every row alike (:meth:`InvariantRows.settle`), else runs the eager steps.
+The graph is compiled once per machine and kept on disk (:mod:`llmlib.engine.fixed_step`), shared
+with the default engine; compiled in memory, inductor may tune it differently in another process,
+so the guarantee holds in one process. Results are not bitwise the eager steps', only as invariant.
 """
 
 from __future__ import annotations
@@ -66,8 +53,7 @@ from llmlib.model.attention import AttentionSpec, soft_cap
 ROW_TILE = 32
 #: rows per group of prompt tokens in the compiled mode (:class:`InvariantRows`)
 PROMPT_TILE = 128
-#: group sizes the compiled mode tries, in turn, until the graph computes every row alike
-#: (:meth:`InvariantRows.settle`)
+#: group sizes the compiled mode tries in turn (:meth:`InvariantRows.settle`)
 ROW_CHOICES, PROMPT_CHOICES = (ROW_TILE, 48, 64), (PROMPT_TILE, 192, 256)
 #: query positions per attention tile, and keys per key tile
 Q_TILE = 2
@@ -76,10 +62,8 @@ K_TILE = 64
 
 @dataclass
 class _Tiles:
-    """Where each query tile's rows come from and which keys it reads (built once per step).
-
-    Tiles are sorted by how many key tiles they read, most first, so the tiles still reading at
-    key tile ``j`` are the first ``active[j]``: a prefix, sliced without copies."""
+    """Each query tile's rows and keys, sorted by key tiles read, most first: the tiles reading
+    key tile ``j`` are the first ``active[j]``, a prefix sliced without copies."""
 
     q_index: torch.Tensor  # [U * Q_TILE] flat token index of each row (padding: B * T)
     q_pos: torch.Tensor  # [U, Q_TILE] each row's position (padding rows: the tile's last)
@@ -100,8 +84,7 @@ class InvariantStep(PagedStep):
     ) -> None:
         super().__init__(cache, rows)
         self.q_tile, self.k_tile = q_tile, k_tile
-        # the kernel walks each query's keys from its window's start in an order fixed by its
-        # position alone; without it, the tiled loop below does in PyTorch
+        # the kernel orders each query's keys by its position alone; else the tiled loop does
         self.rows_plan = self._rows() if cache.kernel else None
         self.tiles = None if self.rows_plan else self._plan()
         self._windowed: dict[int, list[torch.Tensor]] = {}
@@ -202,12 +185,8 @@ class InvariantStep(PagedStep):
         spec: AttentionSpec,
         positions: torch.Tensor | None = None,  # unused: the step's layout holds them
     ) -> torch.Tensor:
-        """Write the new keys and values, then attention for every query ``[B, H, T, hd]``: by
-        the paged kernel, one query per row, where it runs; else by :meth:`attend_tiles`.
-
-        ``spec`` is only read for its options (a family's ``scale``, ``softcap`` and ``window``);
-        the computation is this class's own, so that its order is fixed here.
-        """
+        """Write the new keys and values, then attend ``q [B, H, T, hd]``: one query per row by
+        the paged kernel, else :meth:`attend_tiles`. ``spec`` gives only options, not the order."""
         write_kv(self.cache, self.layout, layer, k, v)
         if self.rows_plan is None:
             return self.attend_tiles(layer, q, spec)
@@ -269,11 +248,8 @@ class InvariantStep(PagedStep):
 
 
 def rows_compile(model: torch.nn.Module, cache: PagedKVCache) -> str | None:
-    """Why the batch-invariant steps cannot run compiled over ``cache`` (None: they can).
-
-    The compiled groups of :class:`InvariantRows` attend through the paged kernel, whose order
-    is fixed by each query's position; the fallbacks of a fixed-shape step (a masked product
-    over the padded blocks) sum in an order that depends on the padding."""
+    """Why :class:`InvariantRows` cannot run over ``cache`` (None: it can): only the paged kernel
+    sums in an order fixed by position (a masked fallback's depends on the padding)."""
     if not cache.kernel:
         return "the paged attention kernel does not run here"
     if not all(serves_spec(layer.attn.spec) for layer in getattr(model, "layers", ())):
@@ -284,26 +260,16 @@ def rows_compile(model: torch.nn.Module, cache: PagedKVCache) -> str | None:
 class InvariantRows:
     """Batch-invariant steps through one compiled graph, fed groups of a fixed number of rows.
 
-    Every token of a step is one row: its id, its position, its sequence's block table. A
-    token of its request's prompt goes into a group of ``prompt_rows`` rows, a generated token
-    into a group of ``rows`` rows, the last group of each kind padded with rows that write into
-    the scratch block. Each kind of group has one shape, so each runs the same code every time,
-    and nothing in the graph mixes rows: products, norms and activations are row by row, and the
-    paged kernel gives each row its own keys, in an order fixed by its position. Which group a
-    token joins depends on nothing but whether its position is in its request's prompt, so a
-    token's logits stay the same alone, batched, chunked or recomputed after a preemption.
-
+    Every token is one row (id, position, block table): a prompt token in a group of
+    ``prompt_rows`` rows, a generated one in a group of ``rows``, the last group of each kind
+    padded with rows that write into the scratch block. A token's group depends only on whether
+    it is in its prompt, so its logits stay the same alone, batched, chunked or recomputed.
     Two sizes, because a larger product costs less per row but more per step: prompts arrive
-    hundreds of tokens at a time, decoding a handful. A prompt's tokens and the same tokens
-    generated are computed apart, so the block manager names blocks that hold generated tokens
-    apart from prompt blocks (:class:`~llmlib.engine.block_manager.BlockManager`'s
-    ``outputs_apart``): a next turn's prompt never reads keys computed as generated ones.
-
-    Groups run prompts first, then generated tokens, each in packing order: a group's keys are
-    written before its queries read them, so every token sees all of its sequence before it.
-    The LM head runs on ``rows`` rows of every group: all of a group of generated tokens, and,
-    of a prompt group, the tokens it samples (the last of a prompt, or every one whose prompt
-    log-probabilities were asked for), a prompt group closing early rather than sample more.
+    hundreds of tokens at a time, decoding a handful. Blocks of generated tokens are named apart
+    (:class:`~llmlib.engine.block_manager.BlockManager`'s ``outputs_apart``), so a next turn's
+    prompt never reads keys computed as generated ones. Prompt groups run first, then generated
+    ones, in packing order, so every token sees its sequence's earlier keys. The LM head runs on
+    the ``rows`` rows of a group it samples; a prompt group closes early rather than sample more.
     """
 
     def __init__(
@@ -320,8 +286,7 @@ class InvariantRows:
         self._steps: dict[tuple[int, int, int], FixedStep] = {}
 
     def _step(self, rows: int, blocks: int, heads: int) -> FixedStep:
-        # the table's width is rounded up to a power of two (fewer buffers); the kernel reads only
-        # the blocks a row's length covers, so the width changes nothing in a row's sums
+        # a power of two (fewer buffers): the kernel reads only a row's blocks, so no sum changes
         nb = bucket(max(blocks, 2), max(self.max_blocks, 2))
         key = rows, nb, heads
         if key not in self._steps:
@@ -330,14 +295,10 @@ class InvariantRows:
 
     @torch.inference_mode()  # as the engine's steps run (a graph compiled here serves them)
     def alike(self, rows: int, token: int = 1, heads: int = 0) -> bool | None:
-        """Whether the graph computes every row of a ``rows``-row group alike: one token
-        copied into every row (position 0, in the scratch block) must give every row the
-        same logits, bit for bit, with the LM head on ``heads`` of them (0: all). None: the
-        test says nothing (all its logits are equal).
-
-        One shape is not enough by itself: a kernel may cut a product's rows into panels
-        and take the last few with other code. MKL's float32 kernel for AVX2 does so for
-        rows 30 and 31 of 32: a token's logits would depend on 31 sequences decoding."""
+        """Whether the graph computes every row of a ``rows``-row group alike: one token in every
+        row (position 0, scratch block) must give bitwise equal logits, the LM head on ``heads``
+        rows (0: all); None: its logits are all equal, telling nothing. A kernel may take a
+        product's last rows with other code (MKL's float32 AVX2 kernel: rows 30 and 31 of 32)."""
         heads = heads or rows
         step, here = self._step(rows, 2, heads), SeqChunk([self.scratch_block], 0, 1)
         step.fill([here] * rows, [token] * rows, range(heads))
@@ -347,10 +308,8 @@ class InvariantRows:
         return bool((logits == logits[:1]).all())
 
     def settle(self) -> str | None:
-        """Take the first sizes of ``ROW_CHOICES`` and ``PROMPT_CHOICES`` whose every row the
-        graph computes alike (:meth:`alike`), a prompt group's with the LM head on all its
-        rows and on ``rows`` of them. This runs the graph, so one compiled in memory compiles
-        here. None when found, else why not."""
+        """Take the first ``ROW_CHOICES`` and ``PROMPT_CHOICES`` that pass :meth:`alike` (prompt
+        groups with the LM head on all rows and on ``rows``); None when found, else why not."""
         first = token = None
         for token in (1, 2, 3):  # a token whose logits are all equal tells nothing
             if (first := self.alike(ROW_TILE, token)) is not None:
@@ -409,9 +368,8 @@ class InvariantRows:
 
 
 def _runs(chunks: Seq[SeqChunk], m: list[int], of: list[int], pos: list[int]) -> list[SeqChunk]:
-    """The tokens ``m`` (flat indices, in order; ``of`` and ``pos`` give each one's chunk and
-    position) as runs of consecutive tokens of one chunk each, as
-    :meth:`~llmlib.engine.fixed_step.FixedStep.fill` takes them."""
+    """The tokens ``m`` (flat indices, in order; ``of``, ``pos``: their chunks and positions) as
+    runs of one chunk's consecutive tokens, for :meth:`~llmlib.engine.fixed_step.FixedStep.fill`."""
     out, first = [], 0
     for j in range(1, len(m) + 1):
         if j == len(m) or of[m[j]] != of[m[j - 1]] or m[j] != m[j - 1] + 1:

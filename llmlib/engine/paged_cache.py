@@ -1,28 +1,23 @@
 """The paged KV cache: one pool of blocks per layer, read and written through block tables.
 
 The pool of layer ``i`` is two tensors ``[num_blocks, block_size, kv_heads, head_dim]`` (keys and
-values), token-major like vLLM's: a sequence's keys live in the blocks its block table names, in
-order, block ``b`` holding positions ``b * block_size ... (b + 1) * block_size - 1``. Token-major
-matters on the CPU: gathering a row's blocks is then one ``index_select`` whose result is already
-``[tokens, heads, head_dim]``, and turning it into attention's ``[heads, tokens, head_dim]`` is a
-view. The head-major layout needed a second copy, and that copy was a tenth of the engine's time.
+values), token-major like vLLM's, block ``b`` of a block table holding positions from
+``b * block_size``. On the CPU, gathering a row's blocks is then one ``index_select`` already
+``[tokens, heads, head_dim]``, and attention's ``[heads, tokens, head_dim]`` a view of it:
+head-major needed a second copy, a tenth of the engine's time.
 
-The model never sees any of this. Each forward pass gets a :class:`PagedStep`, built from the
-chunks of sequences scheduled in it, which keeps the layer's cache contract
-(:class:`llmlib.model.attention.KVCacheLike`) two ways:
+The model never sees this: each pass gets a :class:`PagedStep` of its scheduled chunks, which
+keeps the cache contract (:class:`llmlib.model.attention.KVCacheLike`) two ways:
 
-* ``out = step.attend(layer, q, k, v, spec)``, what the model calls: the step knows where each
-  sequence's tokens sit, so it attends sequence by sequence; a prefill chunk over its own
-  sequence's keys (causal), the single-token (decode) chunks in batched calls, on a CPU one
-  kernel that reads each sequence's blocks in place (:mod:`llmlib.kernels.paged_attention`).
-  So every token of a step, prefill or decode, shares one row;
-* ``k_all, v_all, mask = step.update(layer, k, v, positions)``, the contract's plain half:
-  scatter the new keys and values, gather each row's blocks, and mask which query may see which
-  key (the same sequence, at or before its position; block-diagonal when sequences share a row).
+* ``out = step.attend(layer, q, k, v, spec)``, what the model calls: a prefill chunk over its own
+  keys (causal), decode chunks in batched calls (on a CPU one kernel reading each sequence's blocks
+  in place, :mod:`llmlib.kernels.paged_attention`), so prefill and decode tokens share one row;
+* ``k_all, v_all, mask = step.update(layer, k, v, positions)``, the contract's plain half: scatter
+  the new keys and values, gather each row's blocks, and mask which query sees which key (its own
+  sequence, at or before its position: block-diagonal when sequences share a row).
 
-A sliding-window layer (Mistral, Gemma's local layers) has ``spec.window = W`` (``update`` takes
-``window=W``): the masks and the kernel hide keys ``W`` or more positions behind the query. Every
-block of a sequence stays allocated as for a full layer.
+A sliding-window layer (Mistral, Gemma's local layers) has ``spec.window = W`` (``update``'s
+``window``): masks and kernel hide keys ``W`` or more positions back; every block stays allocated.
 """
 
 from __future__ import annotations
@@ -65,7 +60,7 @@ class PagedKVCache:
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        # torch.zeros on the CPU maps pages lazily: memory is committed only where blocks are written.
+        # on the CPU torch.zeros maps pages lazily: only blocks written to commit memory
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.kernel = serves_pool(self.k[0])  # decode by llmlib.kernels.paged_attention
@@ -88,7 +83,7 @@ class PagedKVCache:
         return self.bytes_per_block * self.num_blocks
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (the copy-on-write of a forked sequence)."""
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a forked sequence)."""
         if not pairs:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
@@ -97,17 +92,14 @@ class PagedKVCache:
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def step(self, rows: Seq[Seq[SeqChunk]]) -> PagedStep:
-        """The cache view for one forward pass: ``rows[b]`` lists the sequence chunks in row ``b``."""
+        """The cache view for one forward pass: ``rows[b]`` lists the chunks in row ``b``."""
         return PagedStep(self, rows)
 
 
 @dataclass
 class SeqChunk:
-    """Part of one sequence computed in this forward pass.
-
-    ``start`` tokens of the sequence are already in the pool; this pass computes tokens
-    ``start .. start + length - 1``. ``block_table`` must already cover ``start + length`` tokens.
-    """
+    """Part of one sequence computed in this pass: tokens ``start .. start + length - 1`` (the
+    first ``start`` are in the pool). ``block_table`` must cover ``start + length`` tokens."""
 
     block_table: Seq[int]
     start: int
@@ -116,8 +108,7 @@ class SeqChunk:
 
 
 class PrefillChunk(NamedTuple):
-    """A multi-token chunk of one sequence in a step: its queries sit at ``row``, columns
-    ``col .. col + length - 1``, and attend causally over the sequence's first ``end`` keys."""
+    """A multi-token chunk: queries at ``row``, columns ``col ..``, causal over ``end`` keys."""
 
     row: int
     col: int
@@ -127,8 +118,7 @@ class PrefillChunk(NamedTuple):
 
 
 class DecodeToken(NamedTuple):
-    """A single-token chunk, as the step is planned on the host: where its query sits, its
-    position, and the blocks of its sequence."""
+    """A single-token chunk as planned on the host: its query's place, position and blocks."""
 
     row: int
     col: int
@@ -149,12 +139,9 @@ class DecodeGroup(NamedTuple):
 
 @dataclass
 class StepLayout:
-    """Where one forward pass's new tokens go in the pool and what each attends over.
-
-    Worked out on the host once per step and moved to the device once; the layers only index with
-    it. :class:`PagedStep` builds one from scheduled chunks; the fixed-shape decode step of the
-    CUDA graphs (:class:`llmlib.engine.fixed_step.FixedStep`) holds one at fixed addresses.
-    """
+    """Where one pass's new tokens go in the pool and what each attends over: worked out on the
+    host and moved to the device once per step; the layers only index with it. Built by
+    :class:`PagedStep`; :class:`llmlib.engine.fixed_step.FixedStep` holds one at fixed addresses."""
 
     positions: torch.Tensor  # [B, T]
     write_slots: torch.Tensor  # [n] pool slot (block * block_size + offset) of every real new token
@@ -188,14 +175,9 @@ def paged_attend(
     v: torch.Tensor,
     spec: AttentionSpec,
 ) -> torch.Tensor:
-    """Write the new keys/values, then attention for every query ``q [B, H, T, hd]`` over its own
-    sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros).
-
-    ``spec(q, k, v, mask)`` is the layer's attention (``mask=None``: causal, aligned to the end,
-    within ``spec.window``). A multi-token chunk is one call over its sequence's keys; the
-    single-token chunks are the kernel's one call or batched calls over their gathered blocks,
-    masked where a row's keys end early (or, with a sliding ``window``, begin late).
-    """
+    """Write the new keys/values, then attend every query ``q [B, H, T, hd]`` over its own
+    sequence's keys; returns ``[B, H, T, hd]`` (padding columns: zeros). ``spec(q, k, v, mask)``
+    is the layer's attention (``mask=None``: causal, aligned to the end, within ``spec.window``)."""
     write_kv(cache, layout, layer, k, v)
     B, H, T, D = q.shape
     Hkv, bs = cache.n_kv_heads, cache.block_size
@@ -204,8 +186,7 @@ def paged_attend(
     for c in layout.prefills:
         kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
         vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
-        # [1, H, n, D]
-        o = spec(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc)
+        o = spec(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc)  # [1, H, n, D]
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
     fast = cache.kernel and serves_spec(spec)
     window = spec.window
@@ -218,9 +199,8 @@ def paged_attend(
             )
             out[g.rows, g.cols] = o
             continue
-        # One query per head, and query head h reads KV head h // (H / Hkv): so the query heads
-        # sharing a KV head can ride as that head's "queries" [n, Hkv, H / Hkv, D], all under
-        # the same mask. Plain multi-head attention then, which no backend has to expand for GQA.
+        # the query heads sharing a KV head ride as its "queries" [n, Hkv, H / Hkv, D] under one
+        # mask: plain multi-head attention, which no backend has to expand for GQA
         qd = q[g.rows, :, g.cols].view(n, Hkv, H // Hkv, D)
         kd = kp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
         vd = vp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
@@ -234,11 +214,8 @@ def paged_attend(
 
 
 class PagedStep:
-    """The cache of one forward pass over the paged pool (a :class:`~llmlib.model.attention.KVCacheLike`).
-
-    Everything is worked out once, on the host, when the step is built (a few hundred integers),
-    and moved to the device once (:class:`StepLayout`); the layers then only index with it.
-    """
+    """One pass's cache over the paged pool (a :class:`~llmlib.model.attention.KVCacheLike`),
+    planned on the host when built (a few hundred integers) into a :class:`StepLayout`."""
 
     def __init__(self, cache: PagedKVCache, rows: Seq[Seq[SeqChunk]]) -> None:
         if not rows or any(not r for r in rows):
@@ -278,13 +255,10 @@ class PagedStep:
                     )
                 t0 += c.length
         write_slots = torch.cat(slots).to(dev)
-        # None: no padding
         write_index = None if len(write_slots) == B * T else torch.cat(index).to(dev)
-        # Single-token chunks attend in batched calls, each over a [n, nb * bs] gather padded to
-        # its longest member; padding is read and masked for nothing, so rows are sorted by length
-        # and cut into groups of similar lengths (see _group_by_length).
+        # batched calls read padding up to a group's longest member for nothing: group similar
+        # lengths (the kernel reads only each row's own blocks: one call)
         groups = []
-        # the kernel reads only each row's own blocks: one call
         for group in _group_by_length(decodes, bs, 10**9 if cache.kernel else 16):
             nb = max(len(d.blocks) for d in group)
             table = torch.zeros((len(group), nb), dtype=torch.long)  # padding: block 0, masked
@@ -331,13 +305,8 @@ class PagedStep:
         *,
         window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write the new keys/values ``[B, Hkv, T, hd]`` into their slots; return what to attend over:
-        every row's blocks gathered ``[B, Hkv, S, hd]`` and the mask ``[B, 1, T, S]`` (within the
-        sliding ``window``, if one is given).
-
-        ``positions`` is accepted for the contract; the slots were fixed when the step was built
-        (from the same positions), so it is not needed here.
-        """
+        """Write the new keys/values ``[B, Hkv, T, hd]`` (the slots were fixed at build: no
+        ``positions``); return every row's blocks ``[B, Hkv, S, hd]`` and mask ``[B, 1, T, S]``."""
         write_kv(self.cache, self.layout, layer, k, v)
         gather, mask = self._dense_view(window)
         B, nb = gather.shape
@@ -349,15 +318,13 @@ class PagedStep:
         return k_all, v_all, mask
 
     def _dense_view(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """For :meth:`update`: the blocks each row gathers ``[B, nb]`` and the mask (built once per
-        step and window)."""
+        """For :meth:`update`: each row's blocks ``[B, nb]`` and the mask, once per window."""
         if window not in self._dense:
             bs = self.cache.block_size
             B, T = self.shape
             nb = max(sum(-(-(c.start + c.length) // bs) for c in r) for r in self.rows)
             S = nb * bs
-            # which chunk (in its row) each query is
-            q_seq = torch.full((B, T), -1, dtype=torch.long)
+            q_seq = torch.full((B, T), -1, dtype=torch.long)  # each query's chunk in its row
             k_seq = torch.full((B, S), -2, dtype=torch.long)  # -2 never equals a query's id: masked
             k_pos = torch.zeros((B, S), dtype=torch.long)
             gather = torch.zeros((B, nb), dtype=torch.long)  # padding repeats block 0
@@ -380,8 +347,7 @@ class PagedStep:
             )
             if window is not None:
                 mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
-            # A padding query (shorter row) would see no key at all, and softmax over nothing is NaN;
-            # let it see key 0. Its output is never read.
+            # a padding query would see no key, and softmax over nothing is NaN: let it see key 0
             mask[:, :, 0] |= q_seq < 0
             self._dense[window] = (
                 gather.to(self.cache.device),
@@ -393,13 +359,9 @@ class PagedStep:
 def _group_by_length(
     chunks: list[DecodeToken], block_size: int, call_cost_blocks: int = 16
 ) -> list[list[DecodeToken]]:
-    """Split single-token chunks into groups that each get one batched attention call.
-
-    A group reads ``len(group) * (its longest block count)`` blocks of keys and values, real or
-    padding; each extra call costs about as much as reading ``call_cost_blocks`` blocks (a few
-    kernel launches). Sorted by length, the best contiguous split is a small dynamic programme:
-    ``best[j]`` = cheapest way to cover the ``j`` shortest chunks.
-    """
+    """Split single-token chunks into batched attention calls. A group reads ``len(group) *
+    (longest block count)`` blocks, a call costs about ``call_cost_blocks`` more; sorted by
+    length, the best split is a dynamic programme (``best[j]``: the ``j`` shortest chunks)."""
     if not chunks:
         return []
     order = sorted(chunks, key=lambda c: len(c.blocks))

@@ -1,11 +1,8 @@
 """How an engine's steps run: the one choice, from its run mode to the step object.
 
-An engine's run mode (:data:`llmlib.engine.config.RUN_MODES`, resolved once in its
-:class:`~llmlib.engine.config.EngineConfig`) names how its steps run: eagerly, on fixed shapes
-(run as they are, replayed from CUDA graphs, or compiled), batch-invariant. :func:`pick_steps`
-turns it into the one :class:`Steps` object the runner calls; nothing else decides. Where a
-mode cannot run as asked (no package can be compiled here, no group size computes its rows
-alike), it says so in ``Steps.path`` and runs what can.
+:func:`pick_steps` turns an engine's run mode (:data:`llmlib.engine.config.RUN_MODES`, resolved
+in its :class:`~llmlib.engine.config.EngineConfig`) into the :class:`Steps` the runner calls.
+Where a mode cannot run as asked, ``Steps.path`` says why and what runs instead.
 """
 
 from __future__ import annotations
@@ -26,17 +23,12 @@ from llmlib.kernels.paged_attention import serves_spec
 
 @dataclass
 class Steps:
-    """How an engine's steps run, as :func:`pick_steps` chose them (the runner asks nothing else).
-
-    ``model`` runs the steps that no fixed shape serves (a row-tiled view of the engine's model
-    in the eager batch-invariant mode); ``decode`` serves all-decode steps on fixed shapes;
-    ``tokens`` the steps that carry prompt chunks, every token a row of the same fixed-shape
-    step (where its attention is the kernel's and the chunks are short enough,
-    :meth:`~llmlib.engine.fixed_step.FixedSteps.serves_tokens`), so that a step mixing prompts
-    and decode rows runs the compiled graph too;
-    ``rows`` serves every step, in fixed groups (the compiled batch-invariant mode); ``invariant``
-    makes the eager steps batch-invariant. ``path`` says what runs (the timing line prints it),
-    ``compile_s`` what compiling cost this process."""
+    """How an engine's steps run, as :func:`pick_steps` chose them. ``model`` runs the steps no
+    fixed shape serves (in the eager batch-invariant mode, a row-tiled view); ``decode``
+    all-decode steps on fixed shapes; ``tokens`` steps with prompt chunks, every token a row
+    (:meth:`~llmlib.engine.fixed_step.FixedSteps.serves_tokens`), so a step mixing prompts and
+    decodes runs the compiled graph too; ``rows`` every step, in fixed groups (compiled
+    batch-invariant). ``path`` says what runs, ``compile_s`` what compiling cost this process."""
 
     model: nn.Module
     decode: FixedSteps | None = None
@@ -53,10 +45,8 @@ class Steps:
         return self.decode is not None or self.rows is not None
 
     def compile_now(self, rows: int) -> float | None:
-        """Compile a graph compiled in memory now, before any request waits (on an all-padding
-        step of ``rows`` rows: inductor tunes its matrix kernels for the rows it first sees);
-        the seconds it took (None: it was loaded, or there is none). Another engine on the same
-        model finds the graph compiled already, and says nothing."""
+        """Compile an in-memory graph now, before any request waits, on ``rows`` padding rows
+        (inductor tunes for the rows it first sees); the seconds it took (None: nothing to do)."""
         if not self.in_memory or self.decode is None:
             return self.compile_s
         graph = getattr(self.decode.forward, "func", None)  # the partial's compiled function
@@ -86,10 +76,8 @@ def pick_steps(
     max_blocks: int,
     log: Callable[[str], None] | None = None,
 ) -> Steps:
-    """The :class:`Steps` of run mode ``mode`` (:data:`llmlib.engine.config.RUN_MODES`) over
-    ``cache``: the one place that decides how an engine's steps run. ``scratch_block`` is the
-    pool's block past the block manager's; ``max_rows`` and ``max_blocks`` bound a fixed shape
-    (the engine's sequences per step, and a full context)."""
+    """The :class:`Steps` of run mode ``mode`` over ``cache``; ``scratch_block`` is past the
+    block manager's; ``max_rows``, ``max_blocks`` (a step's sequences, a context) bound a shape."""
     if mode in ("eager", "invariant"):
         return _invariant_eager(model, None) if mode == "invariant" else Steps(model)
     if mode == "invariant-compiled":
@@ -124,11 +112,9 @@ def pick_steps(
 
 
 def capture_refused(model: nn.Module) -> str | None:
-    """Why a CUDA graph cannot capture ``model``'s step (None: it can). A graph replays its
-    kernels without the host: a step that reads a value back to decide what runs next would
-    replay the first step's decision forever. Mixture-of-experts routing does (it runs only the
-    experts some token picked, and learns which on the host), so its steps run on fixed shapes
-    without a graph."""
+    """Why a CUDA graph cannot capture ``model``'s step (None: it can). A graph replays without
+    the host, so a step that reads a value back to decide what runs next would replay the first
+    decision forever; mixture-of-experts routing does (it learns the picked experts on the host)."""
     from llmlib.model.block import MoEFeedForward
 
     if any(isinstance(m, MoEFeedForward) for m in model.modules()):
@@ -137,8 +123,8 @@ def capture_refused(model: nn.Module) -> str | None:
 
 
 def _invariant_eager(model: nn.Module, why: str | None) -> Steps:
-    """Every product in fixed row tiles, on a view sharing the weights, and attention in an
-    order fixed by each query's position (:class:`llmlib.engine.invariant.InvariantStep`)."""
+    """Products in fixed row tiles (a view sharing the weights), attention in an order fixed by
+    each query's position (:class:`llmlib.engine.invariant.InvariantStep`)."""
     from llmlib.engine.invariant import ROW_CHOICES, ROW_TILE
     from llmlib.kernels.prepare import row_tiled
 
@@ -149,9 +135,8 @@ def _invariant_eager(model: nn.Module, why: str | None) -> Steps:
 
 
 def _invariant_compiled(model, cache, scratch_block, max_blocks, log) -> Steps:
-    """Every token a row of a fixed-size group through the compiled step
-    (:class:`llmlib.engine.invariant.InvariantRows`), where its sizes compute every row alike;
-    else the eager batch-invariant steps, with the reason in ``path``."""
+    """Fixed-size groups through the compiled step (:class:`llmlib.engine.invariant.InvariantRows`)
+    where a size computes every row alike; else the eager ones, the reason in ``path``."""
     from llmlib.engine.invariant import InvariantRows, rows_compile
 
     why = rows_compile(model, cache)

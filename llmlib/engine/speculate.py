@@ -1,28 +1,21 @@
 """Speculative decoding in the batching engine: a cheap proposer drafts, the step verifies.
 
-Before each step, every running sequence that is decoding is given up to k draft tokens. The
-scheduler gives it slots for them (:meth:`~llmlib.engine.block_manager.BlockManager.append_slots`
-with a lookahead), the runner scores the pending token and the drafts in the same forward pass as
-the other sequences' work and keeps the ones the model agrees with
-(:meth:`~llmlib.engine.runner.ModelRunner._verify`), and the scheduler returns the blocks that only
-refused drafts held (:meth:`~llmlib.engine.block_manager.BlockManager.trim`).
+Before each step, every decoding sequence gets up to k draft tokens. The scheduler gives them
+slots (:meth:`~llmlib.engine.block_manager.BlockManager.append_slots` with a lookahead), the
+runner scores them in the same forward pass as the other sequences' work and keeps those the
+model agrees with (:meth:`~llmlib.engine.runner.ModelRunner._verify`), and the scheduler returns
+the blocks only refused drafts held (:meth:`~llmlib.engine.block_manager.BlockManager.trim`).
 
 Three proposers, as in :mod:`llmlib.speculative`:
 
-* ``ngram``: prompt lookup (:func:`llmlib.speculative.proposers.lookup`), no model, before the
-  step is scheduled;
-* ``early_exit``: the model's own first layers, final norm and LM head. After scheduling, all the
-  drafting sequences decode k tokens together, one batched pass of the first layers per token,
-  over the target's own pool: for tokens already verified, the keys and values of those layers are
-  exactly the draft's; what it writes for its drafts, the verification pass overwrites;
-* ``draft``: a smaller model with the same vocabulary, with a pool of its own indexed by the same
-  block tables (the block manager hands out both at once). Each sequence's pool catches up on the
-  tokens it has not seen (the prompt, the tokens verified since) before it drafts.
+* ``ngram``: prompt lookup (:func:`llmlib.speculative.proposers.lookup`), before scheduling;
+* ``early_exit``: the model's first layers, final norm and LM head, over the target's pool (for
+  verified tokens those layers' keys and values are the draft's; verification overwrites the rest);
+* ``draft``: a smaller model with the same vocabulary, its own pool under the same block tables.
 
-A model's drafts under sampling are drawn from its own distribution with the request's params,
-and verification is rejection sampling against it, so the output keeps the model's distribution.
-Sequences whose next token depends on more than the model's distribution decode plainly:
-penalties and logit bias, log-probabilities, structured output, ``min_tokens`` not yet reached.
+Under sampling, drafts are drawn with the request's params and verified by rejection sampling, so
+the output keeps the model's distribution. Sequences whose next token depends on more decode
+plainly: penalties and logit bias, log-probabilities, structured output, ``min_tokens`` not out.
 """
 
 from __future__ import annotations
@@ -70,9 +63,8 @@ class EngineSpeculator:
             self.draft = _PagedDraft.of_model(spec.draft_model, model, cache)
 
     def propose(self, running: Iterable[Sequence], max_model_len: int) -> None:
-        """Set ``draft_tokens`` on every running sequence (empty where it decodes plainly): prompt
-        lookup's proposals, or, for a model's drafts, as many placeholders as it may draft (the
-        scheduler reserves their slots; :meth:`draft` fills them in)."""
+        """Set ``draft_tokens`` on every running sequence (empty: it decodes plainly): prompt
+        lookup's proposals, or placeholders for a model's drafts (:meth:`fill` fills them in)."""
         s = self.spec
         for seq in running:
             seq.draft_tokens = []
@@ -106,8 +98,7 @@ class EngineSpeculator:
 
 
 class _PagedDraft:
-    """A model (the target's first layers, or a draft model) decoding k tokens for a batch of
-    sequences over a paged pool, each step one batched forward pass."""
+    """A model (the target's first layers, or a draft) decoding k tokens for a batch over a pool."""
 
     def __init__(
         self, model: Any, cache: PagedKVCache, n_layers: int | None = None, own: bool = False

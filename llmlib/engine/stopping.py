@@ -1,26 +1,20 @@
-"""When a sequence is finished: one decision, made as each token is appended; and what must hold
-before it is.
+"""When a sequence is finished, decided as each token is appended, and what must hold before.
 
-A sequence ends for one of a few reasons, and they are all checked here, in this order, each time
-the scheduler appends a token (:meth:`llmlib.engine.scheduler.Scheduler.append_token`):
+Checked here, in this order, each time the scheduler appends a token
+(:meth:`llmlib.engine.scheduler.Scheduler.append_token`):
 
-* ``"stop"``, an end token: the model's end-of-sequence token (unless the request ignores it) or
-  one of the request's ``stop_token_ids``; the text ends before it (a stop token's own text is
-  kept with ``include_stop_str_in_output``);
-* ``"stop"``, a stop string: the token completes one of the request's ``stop`` strings in the
-  text (once ``min_tokens`` are out); the text ends before it;
+* ``"stop"``, an end token: the model's end-of-sequence token (unless ignored) or one of the
+  request's ``stop_token_ids``; the text ends before it (unless ``include_stop_str_in_output``);
+* ``"stop"``, a ``stop`` string completed in the text (after ``min_tokens``); text ends before it;
 * ``"stop"``, a finished document: the request's grammar (structured output) is complete;
 * ``"length"``: ``max_tokens`` reached, or the model's context is full.
 
-The token goes through the sequence's text stream and grammar on the way (both are per-token
-state that the decision reads), so nothing else in the engine has to look at it again. A request
-that only scores its prompt (``max_tokens=0``) ends with it: :func:`prompt_only`.
+The token feeds the sequence's text stream and grammar on the way, so nothing else looks at it
+again. A request that only scores its prompt (``max_tokens=0``) ends by :func:`prompt_only`.
 
-Two things come before: a request must fit the model's context (:func:`check_length`, the one
-check of it, for the engine, the Generator and the server), and until a sequence may end, it
-may not sample what would end it (:func:`constrain`: its end tokens before ``min_tokens``, and
-whatever its grammar forbids). The batching engine and the Generator (chapter 8's loop) both
-decide with these.
+Before: a request must fit the context (:func:`check_length`, the one check, for the engine, the
+Generator and the server), and a sequence may not sample what would end it before it may end
+(:func:`constrain`). The batching engine and the Generator (chapter 8's loop) both use these.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ from llmlib.structured import allowed
 
 
 class ContextLengthError(ValueError):
-    """A request that cannot fit the model's context: ``field`` names what to shorten
-    (``"prompt"`` or ``"max_tokens"``), so a server can say which field of its request it was."""
+    """A request too long for the context; ``field`` (``"prompt"``, ``"max_tokens"``) tells a
+    server which field to blame."""
 
     def __init__(self, field: str, prompt_len: int, max_tokens: int, context: int) -> None:
         self.field, self.prompt_len, self.max_tokens, self.context = (
@@ -68,15 +62,13 @@ def check_length(prompt_len: int, max_tokens: int, context: int) -> None:
 
 
 def prompt_only(seq: Sequence) -> str | None:
-    """``"length"`` for a sequence that generates nothing (``max_tokens=0``), when its prompt is
-    done; None otherwise."""
+    """``"length"`` once the prompt is done, for a sequence with ``max_tokens=0``; else None."""
     return "length" if seq.max_tokens == 0 else None
 
 
 def take(seq: Sequence, tok: int, max_model_len: int) -> str | None:
-    """``tok`` was just appended to ``seq``: feed it to the sequence's text and grammar, and say
-    why the sequence ends here (``"stop"`` or ``"length"``), or None if it goes on. The stop
-    token or stop string that ended it is left in ``seq.stop_reason``."""
+    """Feed the just-appended ``tok`` to ``seq``'s text and grammar; say why it ends (``"stop"``,
+    ``"length"``; the stop token or string in ``seq.stop_reason``), or None."""
     text, params = seq.text, seq.params
     grammar_done = False
     if seq.matcher is not None:

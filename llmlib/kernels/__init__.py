@@ -14,6 +14,5 @@ swaps its modules in after a model is built.
 * :mod:`~llmlib.kernels.weights` — how a matrix is stored for the kernel that multiplies it;
 * :mod:`~llmlib.kernels.layout` — where a CPU model's float matrices live in memory;
 * :mod:`~llmlib.kernels.modules` — the layers that hold a stored matrix (``PackedLinear``);
-* :mod:`~llmlib.kernels.prepare` — :func:`~llmlib.kernels.prepare.prepare`: a model's matrices
-  stored for this machine, once, at load.
+* :mod:`~llmlib.kernels.prepare` — a model's matrices stored for this machine, once, at load.
 """

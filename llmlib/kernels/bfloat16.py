@@ -1,10 +1,7 @@
 """bfloat16 matrices on a CPU without bfloat16 arithmetic: plain for decode, widened to float32
-for prompts.
-
-An AVX2-only CPU stores bfloat16 but has no instruction that multiplies it, so the format's one
-gain there is bytes: half of float32's for every row that streams the matrix.
-:func:`llmlib.kernels.prepare.pack_dense` holds each bfloat16 matrix of such a CPU (where the
-flags say so: :attr:`~llmlib.kernels.flags.Flags.bfloat16_widen`) as a :class:`Bfloat16Weight`.
+for prompts (:func:`llmlib.kernels.prepare.pack_dense`, where
+:attr:`~llmlib.kernels.flags.Flags.bfloat16_widen`). An AVX2-only CPU cannot multiply bfloat16,
+so the format's one gain there is bytes: half of float32's for every row that streams the matrix.
 """
 
 from __future__ import annotations
@@ -22,24 +19,13 @@ WIDEN_SLICE = 1 << 20
 
 
 class Bfloat16Weight(PlainWeight):
-    """A bfloat16 matrix on a CPU that has no bfloat16 arithmetic (no AVX512-BF16, no AMX: an
-    AVX2-only machine), and the product that suits each number of rows there.
-
-    A row or two (decode) is limited by how fast the matrix streams from memory: PyTorch's own
-    bfloat16 product reads it at half the bytes of float32, which is the point of the format.
-    Many rows (a prompt, a batch) are limited by arithmetic, which such a CPU does in float32
-    only. PyTorch's generic bfloat16 kernel then converts inside its inner loop and runs several
-    times slower than the tuned float32 kernels. So from :data:`WIDEN_ROWS` rows on, a slice of
-    the matrix at a time is widened to float32 and multiplied by those. Both ways sum in float32
-    and round the result to bfloat16 once. A compiled graph multiplies the bfloat16 matrix
-    itself, with its own kernels (:meth:`for_graph`). In a state dict this is the plain matrix.
-
-    The widened product is not row-invariant, so the batch-invariant engine's view
-    (:func:`llmlib.kernels.prepare.row_tiled`) multiplies the plain matrix instead. MKL's float32
-    kernel for AVX2 computes the last two rows of a 32-row tile with other code, which sums in
-    another order, so a token's result would depend on which row of its tile it landed in.
-    PyTorch's bfloat16 kernel treats every row alike.
-    """
+    """A bfloat16 matrix on a CPU without bfloat16 arithmetic (no AVX512-BF16, no AMX). Decode
+    is bound by memory: PyTorch's bfloat16 product reads half of float32's bytes. Many rows are
+    bound by arithmetic, done in float32 only, where PyTorch's generic bfloat16 kernel, converting
+    in its inner loop, runs several times slower: from :data:`WIDEN_ROWS` rows on, slices of the
+    matrix are widened to float32. Both sum in float32 and round once. A compiled graph, and
+    :func:`llmlib.kernels.prepare.row_tiled` (MKL's float32 kernel for AVX2 takes the last two
+    rows of a 32-row tile with other code), multiply the plain matrix (:meth:`for_graph`)."""
 
     kind = "bfloat16 (widened for several rows)"
 

@@ -1,11 +1,9 @@
 """What this machine can do, and what the user forced: read once per process, into one record.
 
-Every choice llmlib makes that depends on the CPU (which C++ build runs, whether a one-row
-float32 product takes llmlib's kernel or MKL's, whether int8/int4 matrices are multiplied by
-integer dot products, how bfloat16 matrices are stored) is decided from :class:`Flags`, and
-nothing else in the package reads the environment. Each choice can be forced, which is how the
-tests run every path this machine can execute, so that a bug that lives on another class of CPU
-fails here too (``tests/test_forced_paths.py``).
+Every choice llmlib makes that depends on the CPU is decided from :class:`Flags`, and nothing
+else in the package reads the environment. Each choice can be forced, which is how the tests
+run every path this machine can execute, so that a bug that lives on another class of CPU fails
+here too (``tests/test_forced_paths.py``).
 
 ==========================  =====================  ==============================================
 variable                    values                 what it decides (default)
@@ -13,47 +11,34 @@ variable                    values                 what it decides (default)
 ``LLMLIB_CACHE``            a folder               where fetched models live (``~/.cache/llmlib``)
 ``LLMLIB_NATIVE_ISA``       ``avx512``, ``avx2``,  which build of the C++ kernels runs (the best
                             ``none``               the CPU has; ``none``: PyTorch's operators)
-``LLMLIB_INTEGER``          ``vnni``, ``avx2``,    int8/int4 products by integer dot products
-                            ``0``                  (``vnni`` where the CPU has AVX-512 VNNI, else
-                                                   ``avx2``); ``0``: PyTorch's weight-only kernels
-``LLMLIB_MATVEC``           ``0``, ``1``           one-row float32 products by llmlib's kernel
-                                                   (on a CPU not made by Intel)
-``LLMLIB_ONEDNN_FLOAT32``   ``0``, ``1``           a float32 model keeps oneDNN's blocked copy for
-                                                   products of several rows (not on Intel)
-``LLMLIB_ONEDNN_BFLOAT16``  ``0``, ``1``           bfloat16 matrices held in oneDNN's blocked
-                                                   layout (where oneDNN has one: AVX-512 BF16)
-``LLMLIB_BFLOAT16_WIDEN``   ``0``, ``1``           other bfloat16 matrices are widened to float32
-                                                   for products of several rows (on a CPU with
-                                                   no bfloat16 arithmetic: AVX2 only)
+``LLMLIB_INTEGER``          ``vnni``, ``avx2``,    int8/int4 by integer dot products (``vnni``
+                            ``0``                  with VNNI, else ``avx2``); ``0``: PyTorch's
+``LLMLIB_MATVEC``           ``0``, ``1``           llmlib's one-row float32 kernel (not Intel)
+``LLMLIB_ONEDNN_FLOAT32``   ``0``, ``1``           oneDNN copy of float32 matrices (not Intel)
+``LLMLIB_ONEDNN_BFLOAT16``  ``0``, ``1``           bfloat16 in oneDNN's layout (AVX-512 BF16)
+``LLMLIB_BFLOAT16_WIDEN``   ``0``, ``1``           plain bfloat16 matrices widened to float32 for
+                                                   several rows (no bfloat16 arithmetic: AVX2)
 ``LLMLIB_FUSED_NORM``       ``0``, ``1``           RMSNorm as one C++ pass per row (``1``)
-``LLMLIB_PAGED_KERNEL``     ``0``, ``1``           decode attention read in place from the KV
-                                                   cache by llmlib's kernel (``1``)
+``LLMLIB_PAGED_KERNEL``     ``0``, ``1``           llmlib's in-place decode attention (``1``)
 ``LLMLIB_ACTIVATIONS``      ``float32``,           the activations' dtype of int8/int4/gguf
                             ``bfloat16``           models (bfloat16 where the CPU multiplies it)
-``LLMLIB_COMPILE``          ``0``, ``1``           ``LLM(path)``, ``llmlib generate``, ``chat`` and
-                                                   ``serve`` compile their CPU decode steps unless
-                                                   told not to (``1``); ``0``: eager unless asked
-``LLMLIB_INVARIANT_COMPILE``  ``0``, ``1``         the batch-invariant mode compiles its groups
-                                                   by default too (where the CPU has AMX; without
-                                                   it the eager steps were as fast or faster)
-``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             how long tensor-parallel ranks may take to
-                                                   start (600)
-``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone instead of
-                                                   joining its group (``0``; for tests)
+``LLMLIB_COMPILE``          ``0``, ``1``           ``LLM(path)`` and the CLI compile CPU decode
+                                                   steps (``1``); ``0``: eager unless asked
+``LLMLIB_INVARIANT_COMPILE``  ``0``, ``1``         the batch-invariant mode compiles too (with
+                                                   AMX; without, eager was as fast or faster)
+``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             tensor-parallel ranks' start timeout (600)
+``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone (tests)
 ``LLMLIB_AS_CPU``           ``avx2``, ``zen4``     run as that class of CPU (see below)
 ==========================  =====================  ==============================================
 
-``LLMLIB_AS_CPU`` makes this machine take the choices another class of CPU would: llmlib reads
-that class's vendor and flags (:data:`CLASSES`) instead of ``/proc/cpuinfo``. PyTorch, inductor,
-oneDNN and MKL pick their instructions for themselves, so the same class must be named to them
-before Python starts (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``);
-a mismatch is an error that names the variable. ``make test CPU=avx2`` sets all four. It runs
-another class's code paths, not its speed: the instructions come from this CPU's subset.
+``LLMLIB_AS_CPU`` makes this machine take another class's choices: llmlib reads that class's
+vendor and flags (:data:`CLASSES`) instead of ``/proc/cpuinfo``. PyTorch, inductor, oneDNN and
+MKL pick their own instructions, so the class must be named to them before Python starts
+(``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``; a mismatch is an
+error). ``make test CPU=avx2`` sets all four. It runs another class's code paths, not its speed.
 
-A variable with any other value is an error that names it. :func:`flags` reads the variables and
-``/proc/cpuinfo`` the first time it is called and returns the same record after that;
-:func:`forced` swaps in a changed record for a block of code (tests), and a model loaded inside
-the block keeps the choices it was loaded with.
+A variable with any other value is an error that names it. :func:`flags` reads once per process;
+:func:`forced` swaps in a changed record for a block of code (tests).
 """
 
 from __future__ import annotations
@@ -139,8 +124,7 @@ class Flags:
 
     @property
     def mkl_tuned(self) -> bool:
-        """Whether MKL, which PyTorch calls for plain float32 products, runs its tuned code here:
-        on Intel's CPUs (or where the vendor is unknown). It picks its code by vendor."""
+        """Whether MKL (plain float32 products) runs its tuned code: it picks by vendor (Intel)."""
         return self.vendor in ("GenuineIntel", "")
 
     @property
@@ -154,8 +138,7 @@ class Flags:
         return "avx512_vnni" in self.cpu_flags
 
     def describe(self) -> str:
-        """One line for logs and benchmark records: the kernels' choices, which also key a
-        compiled package (:func:`llmlib.runtime.aot.step_key`)."""
+        """The choices in one line (logs, benchmarks, :func:`llmlib.runtime.aot.step_key`)."""
         return (
             f"isa={self.isa} integer={self.integer} matvec={int(self.matvec)} "
             f"onednn_float32={int(self.onednn_float32)} "
@@ -181,8 +164,7 @@ class Flags:
 
 
 def _cpuinfo() -> tuple[str, frozenset[str], str]:
-    """The vendor, the flags and the model name of the first CPU in Linux's ``/proc/cpuinfo``
-    (empty elsewhere): the one reader of that file."""
+    """Vendor, flags and model name from ``/proc/cpuinfo`` (empty elsewhere): its one reader."""
     fields = {"vendor_id": "", "flags": "", "model name": ""}
     try:
         with open("/proc/cpuinfo") as f:
@@ -214,11 +196,8 @@ def _switch(env: Mapping[str, str], name: str) -> bool | None:
 
 
 def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] | None = None):
-    """A record from ``env`` (default: the process's environment) and the CPU (default: this one).
-
-    Nothing is built or probed here: a choice says what llmlib will try; where a kernel then
-    fails to build, its module says so once and PyTorch's operators serve.
-    """
+    """A record from ``env`` (default: the process's) and the CPU (default: this one). Nothing is
+    built here: where a chosen kernel fails to build, its module says so and PyTorch's serve."""
     env = os.environ if env is None else env
     vendor, cflags, model_name = _cpuinfo() if cpu is None else (*cpu, "")
     as_cpu = _choice(env, "LLMLIB_AS_CPU", tuple(CLASSES)) or ""
@@ -316,9 +295,8 @@ def flags() -> Flags:
 
 @contextlib.contextmanager
 def forced(**changes) -> Iterator[Flags]:
-    """Within the block, :func:`flags` is this process's record with ``changes`` applied
-    (``forced(integer="off")``): a model loaded inside keeps the choices it was loaded with.
-    A choice the CPU cannot run is refused."""
+    """Within the block, :func:`flags` has ``changes`` applied; a model loaded inside keeps the
+    choices it was loaded with. A choice the CPU cannot run is refused."""
     base = flags()
     new = dataclasses.replace(base, **changes)
     cpu_best = read(env={}, cpu=(base.vendor, base.cpu_flags)).isa
@@ -349,9 +327,7 @@ SWITCHES = (
 
 
 def paths(f: Flags | None = None) -> list[dict[str, object]]:
-    """Every combination of forced choices this machine can execute that changes a fast path,
-    one change at a time from the default (the tests run each): the C++ builds the CPU has, the
-    integer products on and off, each switch flipped where it matters."""
+    """Every forced choice that changes a fast path here, one at a time from the default (tests)."""
     f = f or flags()
     best = read(env={}, cpu=(f.vendor, f.cpu_flags))
     out: list[dict[str, object]] = [{}]

@@ -1,39 +1,30 @@
 """int8 and int4 weights multiplied by integer dot products (AVX-512 VNNI, or AVX2): the
 activations are rounded to int8 in blocks of 32, as llama.cpp does.
 
-PyTorch's CPU weight-only kernels (:class:`llmlib.kernels.weights.Int8Weight`, ``Int4Weight``) turn
-each stored code into a float before multiplying, so at many rows (a prefill chunk, a batch of
-decoding sequences) they are bound by float arithmetic. A CPU with VNNI multiplies bytes by
-bytes, 64 pairs per instruction into 16 int32 sums (AVX2 needs two instructions for 32 pairs),
-but only if both sides are integers. So each row of activations is rounded too: every block
-of 32 values becomes int8 codes and one float scale (``max|x| / 127``), the integer sums are
-taken block by block, and each block's sum is scaled back by its activation scale and the
-weight's. That is no longer weight-only: it adds the
-activations' rounding error, which ``llmlib bench batching`` measures as perplexity against
-float32 beside each format's speed.
+PyTorch's CPU weight-only kernels (:class:`llmlib.kernels.weights.Int8Weight`, ``Int4Weight``)
+turn each code into a float before multiplying, so at many rows (a prefill chunk, a batch) they
+are bound by float arithmetic. VNNI multiplies bytes by bytes, 64 pairs per instruction into 16
+int32 sums (AVX2 needs two instructions for 32 pairs), but only if both sides are integers. So
+each block of 32 activations becomes int8 codes and one scale (``max|x| / 127``), and each
+block's integer sum is scaled back by both scales. That adds the activations' rounding error,
+which ``llmlib bench batching`` measures as perplexity against float32 beside each format's speed.
 
-Where it is used: every int8, int4 and gguf matrix on a CPU where the kernels run and its shape
-fits, in the batch-1 :class:`~llmlib.generate.Generator` (eager or compiled: the graph calls the
-kernels as extern operators) and in the batching engine alike
-(:func:`llmlib.kernels.prepare.prepare` decides it once, at load). ``LLMLIB_INTEGER=0`` keeps
-PyTorch's weight-only layouts instead, the reference the tests compare these with.
+Every int8, int4 and gguf CPU matrix takes them where they run and fit, eager or compiled (extern
+operators in the graph): :func:`llmlib.kernels.prepare.prepare` decides at load.
+``LLMLIB_INTEGER=0`` keeps PyTorch's layouts, the reference the tests compare these with.
 
-The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), compiled once per machine by
-``torch.utils.cpp_extension`` into its cache and loaded as the operators
-``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear`` / ``int8g_linear``. They run where all of
-this holds: a CPU with AVX-512 VNNI or AVX2 (:func:`isa`; each is its own build), a C++ compiler,
-output widths that are multiples of 64 and input widths (and int4 groups) that are multiples of
-32 (real models' are; 8-bit groups may also be 16), and ``LLMLIB_INTEGER`` not set to ``0``.
-Elsewhere a matrix keeps PyTorch's kernel, with the same numbers as before (8-bit codes in groups,
-which PyTorch has no kernel for, then become a dense matrix).
+The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), loaded as
+``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear`` / ``int8g_linear``. They need AVX-512
+VNNI or AVX2 (:func:`isa`, a build each), a compiler, output widths a multiple of 64 and input
+widths (and int4 groups) a multiple of 32 (8-bit groups may be 16). Elsewhere a matrix keeps
+PyTorch's kernel (8-bit codes in groups, which PyTorch has none for, become a dense matrix).
 
-Layout (what :func:`pack_int8` / :func:`pack_int4` write): tiles of 64 output channels; inside a
-tile, for each group of four input columns, the 64 channels' four codes side by side, so one
-64-byte load holds four consecutive codes of 16 channels. int8 codes are stored plus 128 (the
-instruction's unsigned operand); int4 codes keep two groups of four columns per byte (low and
-high nibble), with each group's ``w = d * q + m`` constants in float16. 8-bit codes in groups
-(:class:`~llmlib.quantize.GroupCodes` with ``bits=8``: most GGUF block types once their constants
-are multiplied out) are int8's tiles with int4's per-group constants, ``w = d * (u - 128) + m``.
+Layout (:func:`pack_int8` / :func:`pack_int4`): tiles of 64 output channels; inside a tile, for
+each four input columns, the 64 channels' four codes side by side, so one 64-byte load holds
+four consecutive codes of 16 channels. int8 codes are stored plus 128 (the instruction's
+unsigned operand); int4 codes keep two groups of four columns per byte (low and high nibble),
+with each group's ``w = d * q + m`` constants in float16. 8-bit codes in groups (most GGUF block
+types) are int8's tiles with int4's per-group constants, ``w = d * (u - 128) + m``.
 """
 
 from __future__ import annotations
@@ -65,17 +56,15 @@ def _build_name() -> str:
 
 
 def isa() -> str | None:
-    """Which build of the kernels runs here (:attr:`llmlib.kernels.flags.Flags.integer`):
-    ``"avx512vnni"``, ``"avx2"`` (two instructions per byte product, ``vpmaddubsw`` +
-    ``vpmaddwd``) or None (``LLMLIB_INTEGER=0``: PyTorch's weight-only kernels)."""
+    """Which build runs here (:attr:`llmlib.kernels.flags.Flags.integer`): ``"avx512vnni"``,
+    ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd`` per byte product) or None (``LLMLIB_INTEGER=0``)."""
     return {"vnni": "avx512vnni", "avx2": "avx2"}.get(flags().integer)
 
 
 @functools.cache
 def _load(which: str) -> bool:
-    """Build (once per machine: the compiled library is cached) and load the kernels; False,
-    with one warning, where that fails (no compiler, an old toolchain): PyTorch's kernels serve.
-    Each instruction set is its own extension, so a shared cache never hands one CPU the other's."""
+    """Build (once per machine) and load the kernels; False where that fails. Each instruction
+    set is its own extension, so a shared cache never hands one CPU the other's."""
     flags = [*AVX512, "-mavx512vnni"] if which == "avx512vnni" else native.AVX2
     if not native.build(f"{_NAME}_{which}", "vnni.cpp", flags, f"{which} int8/int4 kernels"):
         return False
@@ -120,8 +109,7 @@ def _register_fakes() -> None:
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes ``[N, K]`` -> tiles ``[N/64, K*64]`` uint8 (codes + 128, four columns of 64
-    channels per 256 bytes)."""
+    """int8 codes ``[N, K]`` -> tiles ``[N/64, K*64]`` uint8 (codes + 128)."""
     return pack_uint8((q.to(torch.int16) + 128).to(torch.uint8))
 
 
@@ -161,7 +149,7 @@ def unpack_int4(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(c: torch.Tensor) -> torch.Tensor:
-    """Per-group constants ``[N, K/g]`` -> ``[N/64, K/g * 64]`` float16, a tile's groups together."""
+    """Per-group constants ``[N, K/g]`` -> ``[N/64, K/g * 64]``, a tile's groups together."""
     n, groups = c.shape
     return c.view(n // TILE, TILE, groups).transpose(1, 2).reshape(n // TILE, groups * TILE)
 
@@ -198,8 +186,7 @@ class _VnniWeight(PackedWeight):
 
     @property
     def label(self) -> str:
-        """The layout and the build of the kernels that reads it: ``int8 vnni``, or ``int8 avx2``
-        on a CPU without VNNI (the same tiles, read two instructions per byte product)."""
+        """The layout and the build that reads it: ``int8 vnni``, or ``int8 avx2`` (same tiles)."""
         return self.kind.replace("vnni", _build_name())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,8 +215,7 @@ class VnniInt8Weight(_VnniWeight):
 
 
 class VnniInt4Weight(_VnniWeight):
-    """4-bit codes in VNNI tiles, ``w = d * q + m`` per group in float16:
-    ``llmlib_vnni::int4_linear``."""
+    """4-bit codes in VNNI tiles, ``w = d * q + m`` per group: ``llmlib_vnni::int4_linear``."""
 
     kind = "int4 vnni"
 
@@ -274,7 +260,7 @@ def _group_rows(w: PackedWeight, q: torch.Tensor, ids: torch.Tensor) -> torch.Te
     return out.to(w.dtype)
 
 
-#: columns per float unit of factored constants (a k-quant super-block: :class:`GroupCodes` ``unit``)
+#: columns per float unit of factored constants (a k-quant super-block: ``GroupCodes.unit``)
 UNIT = GroupCodes.UNIT
 
 
@@ -296,11 +282,9 @@ def _exact_half(c: torch.Tensor) -> bool:
 
 
 class VnniInt8GroupWeight(_VnniWeight):
-    """8-bit codes in groups (``bits=8`` :class:`GroupCodes`: GGUF's Q8_0, Q5_0, Q5_1, Q6_K, ...)
-    in int8's VNNI tiles, ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``.
-    The constants are float16 where that holds them exactly; a k-quant's scales, products of a
-    float16 unit per 256 columns and an integer per group, are kept as those two (int8 per group,
-    float32 per 256 columns: ``u``); anything else is float32."""
+    """8-bit codes in groups (GGUF's Q8_0, Q5_0, Q5_1, Q6_K, ...) in int8's VNNI tiles,
+    ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``. Constants are float16
+    where exact, else float32; a k-quant's scales stay factored (int8 ``d``, float32 ``u``)."""
 
     kind = "int8 group vnni"
 
@@ -322,15 +306,13 @@ class VnniInt8GroupWeight(_VnniWeight):
             const = torch.float16 if _exact_half(d) and _exact_half(m) else torch.float32
             self.register_buffer("d", _tiles(d.to(const)).contiguous())
             self.register_buffer("u", torch.empty(0))
-        # Q8_0 and Q6_K have no offsets: none are stored, and the kernel skips their
-        # multiply-adds altogether
+        # no offsets (Q8_0, Q6_K): none stored, and the kernel skips their multiply-adds
         offsets = _tiles(m.to(const)).contiguous() if m.any() else torch.empty(0, dtype=const)
         self.register_buffer("m", offsets)
         self.refresh()
 
     def refresh(self) -> None:
-        """Whether any group has an offset (again, after the buffers were filled slice by
-        slice: :class:`llmlib.kernels.stream.Filled`)."""
+        """Whether any group has an offset (again, after :class:`llmlib.kernels.stream.Filled`)."""
         self.has_offsets = bool(self.m.numel() and self.m.any())
         if not self.has_offsets:
             self.m = self.m.new_empty(0)
@@ -349,8 +331,7 @@ class VnniInt8GroupWeight(_VnniWeight):
 
 
 def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight | None:
-    """``codes`` in this module's layout, multiplied in ``dtype`` activations, where the kernels
-    run here and the shape fits; None elsewhere (the caller keeps PyTorch's layout)."""
+    """``codes`` in this layout for ``dtype`` activations where it runs and fits; else None."""
     if not available():
         return None
     if isinstance(codes, ChannelCodes):

@@ -1,10 +1,8 @@
 """Where a CPU model's float matrices live in memory: the layout decode streams fastest.
 
-A decode step is one matrix-vector product per weight matrix, and on a CPU it can go no faster
-than the matrices stream from memory. How they are laid out changes how fast they stream:
-which dimension is contiguous (:func:`matvec_layout_is_column_major`), and whether the pages
-they sit in are 4 KiB or 2 MiB (:func:`arrange`). :func:`llmlib.kernels.prepare.prepare` applies
-it to every float matrix of a CPU model when it is loaded.
+A decode step can go no faster than the matrices stream from memory, and their layout changes
+that: which dimension is contiguous (:func:`matvec_layout_is_column_major`), and whether their
+pages are 4 KiB or 2 MiB (:func:`arrange`). :func:`llmlib.kernels.prepare.prepare` applies it.
 """
 
 from __future__ import annotations
@@ -14,22 +12,15 @@ import sys
 
 import torch
 
-# ---- the decode layout --------------------------------------------------------------------------
-
 
 def matvec_layout_is_column_major(
     shape: torch.Size | tuple[int, ...], one_row_kernel: bool = False
 ) -> bool:
     """Whether a ``[out, in]`` weight multiplies one vector faster stored column-major on a CPU.
-
-    A decode step is a matrix-vector product per weight, limited by how fast the weights stream from
-    memory. MKL streams long contiguous runs best, and which dimension is the long run matters:
-    on the machines this book was written on, gate/up and the LM head streamed faster column-major
-    and the down projection row-major.
-    So: make the longer dimension the contiguous one (ties: column-major, slightly faster for wo).
-    Where llmlib's own kernel takes one-row products instead (``one_row_kernel``,
-    :mod:`llmlib.kernels.matvec`), every matrix stays row-major, the layout it streams.
-    """
+    MKL streams long contiguous runs best: on the machines this book was written on, gate/up and
+    the LM head streamed faster column-major, the down projection row-major. So the longer
+    dimension is contiguous (ties: column-major, slightly faster for wo); llmlib's one-row
+    kernel (``one_row_kernel``, :mod:`llmlib.kernels.matvec`) streams row-major."""
     if one_row_kernel:
         return False
     out_features, in_features = shape
@@ -40,7 +31,7 @@ _HUGE_PAGE = 2 << 20  # bytes in an x86-64 transparent huge page
 
 
 def _advise_huge_pages(ptr: int, nbytes: int) -> bool:
-    """Ask Linux to back ``[ptr, ptr + nbytes)`` (2 MiB aligned, not yet touched) with huge pages."""
+    """Ask Linux to back ``[ptr, ptr + nbytes)`` (2 MiB aligned, untouched) with huge pages."""
     if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE:
         return False
     try:
@@ -58,20 +49,12 @@ def slots(
     one_row_kernel: bool = False,
     huge_pages: bool = True,
 ) -> list[torch.Tensor]:
-    """Empty CPU matrices of these shapes, laid out for fast decoding, in the order given.
-
-    Two things make a batch-1 decode step (one matrix-vector product per weight, limited by how
-    fast the weights stream from memory) faster, with the same shapes and values:
-
-    * each matrix gets its faster layout (:func:`matvec_layout_is_column_major`);
-    * all matrices live in one buffer, in the order a forward pass reads them, that Linux is
-      asked to back with 2 MiB pages instead of 4 KiB ones (``madvise(MADV_HUGEPAGE)``): a step
-      touches every weight once, i.e. one small page (and one TLB miss) per 4 KiB; with huge
-      pages, one per 2 MiB.
-
-    Nothing is written: the pages are allocated as each matrix is copied in, so a loader can
-    fill them one at a time straight from the checkpoint.
-    """
+    """Empty CPU matrices of these shapes, laid out for fast decoding, in the order given: each
+    in its faster layout (:func:`matvec_layout_is_column_major`), all in one buffer in the order
+    a forward pass reads them, which Linux is asked to back with 2 MiB pages
+    (``madvise(MADV_HUGEPAGE)``): a step touches every weight once, one TLB miss per 4 KiB page,
+    or per 2 MiB with huge pages. Nothing is written: pages come as each matrix is copied in,
+    so a loader can fill them one at a time straight from the checkpoint."""
     if not shapes:
         return []
     elt = torch.empty((), dtype=dtype).element_size()

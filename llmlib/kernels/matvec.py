@@ -1,16 +1,11 @@
 """Batch-1 decode's float32 product, one row times a weight matrix, in C++ where MKL is slow.
 
-A float32 decode step on a CPU is a matrix-vector product per weight matrix, and it can go no
-faster than the matrix streams from memory (chapter 9's floor). PyTorch hands that product to
-MKL, which chooses its code by CPU vendor: on AMD's CPUs its matrix-vector path streams the
-weights at a fraction of the measured read bandwidth. The kernel here
-(``llmlib/kernels/csrc/matvec.cpp``, op ``llmlib_matvec::matvec``) walks contiguous rows eight at
-a time and sums each one in registers: nothing more than the product, streamed.
-
-A float32 matrix takes it (:class:`llmlib.kernels.weights.Float32Weight` with ``one_row``) where
-:func:`serves`: the flags choose it (:attr:`llmlib.kernels.flags.Flags.matvec`: on a CPU not
-made by Intel, or ``LLMLIB_MATVEC=1``), it builds (AVX-512, or AVX2 with FMA, and a compiler),
-and the matrix is contiguous with rows of a multiple of 16 values.
+It can go no faster than the matrix streams from memory (chapter 9's floor), and MKL, which
+picks its code by CPU vendor, streams it on AMD's CPUs at a fraction of the measured read
+bandwidth. The kernel (``llmlib/kernels/csrc/matvec.cpp``, op ``llmlib_matvec::matvec``) walks
+contiguous rows eight at a time and sums each in registers: the product, streamed. A float32
+matrix takes it (:class:`llmlib.kernels.weights.Float32Weight` with ``one_row``) where
+:func:`serves` (:attr:`llmlib.kernels.flags.Flags.matvec`; contiguous rows, a multiple of 16).
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ def available() -> bool:
 
 
 def serves(weight: torch.Tensor) -> bool:
-    """Whether :func:`matvec` takes this ``[out, in]`` matrix (float32, CPU, contiguous rows of a
-    multiple of 16 values) on this machine."""
+    """Whether :func:`matvec` takes ``weight``: float32, CPU, contiguous, rows a multiple of 16."""
     return (
         weight.dtype == torch.float32
         and weight.device.type == "cpu"

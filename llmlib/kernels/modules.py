@@ -1,14 +1,8 @@
-"""The layers :func:`llmlib.kernels.prepare.prepare` swaps into a model: the same contract as the
-ones the chapters build, with the product or the lookup of a stored layout
-(:mod:`llmlib.kernels.weights`).
-
-* :class:`PackedLinear` takes the place of an ``nn.Linear``: ``forward(x)`` is the layout's
-  ``weight.linear(x, bias)``.
-* :class:`PackedEmbedding` takes the place of :class:`llmlib.model.embedding.TokenEmbedding`
-  when the table itself is stored in a layout (a tied table, quantized, or float32 with the
-  one-row kernel): the lookup reads its rows, and the tied LM head multiplies by it.
-
-Both keep the state-dict names of what they replace (``....weight``, ``....bias``).
+"""The layers :func:`llmlib.kernels.prepare.prepare` swaps into a model, with the contract of
+the chapters' own and the product or lookup of a stored layout (:mod:`llmlib.kernels.weights`):
+:class:`PackedLinear` for an ``nn.Linear``, :class:`PackedEmbedding` for a
+:class:`llmlib.model.embedding.TokenEmbedding` whose table is stored in a layout (tied,
+quantized, or float32 with the one-row kernel). Both keep the state-dict names they replace.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ class PackedLinear(nn.Module):
 
 
 class PackedEmbedding(TokenEmbedding):
-    """The token table held in a :class:`PackedWeight`: rows for the lookup, the layout's product
-    for a tied LM head."""
+    """The token table as a :class:`PackedWeight`: rows for lookup, its product for a tied head."""
 
     def __init__(self, weight: PackedWeight, scale: float | None = None) -> None:
         nn.Module.__init__(self)
@@ -53,7 +46,6 @@ class PackedEmbedding(TokenEmbedding):
 
 
 def parameter_count(model: nn.Module) -> int:
-    """How many weights ``model`` holds, each stored matrix counted by its shape (its codes and
-    scales are buffers of other sizes), a tied table once."""
+    """How many weights ``model`` holds, a stored matrix counted by its shape, a tied table once."""
     packed = sum(m.shape.numel() for m in model.modules() if isinstance(m, PackedWeight))
     return packed + sum(p.numel() for p in model.parameters())

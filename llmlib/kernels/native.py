@@ -1,20 +1,16 @@
-"""The few C++ kernels llmlib compiles for this CPU (``llmlib/kernels/csrc``): built once per machine by
-``torch.utils.cpp_extension`` into its cache, then loaded as PyTorch operators.
+"""The few C++ kernels llmlib compiles for this CPU (``llmlib/kernels/csrc``), built once per
+machine by ``torch.utils.cpp_extension`` into its cache and loaded as PyTorch operators.
 
-Four use this: :mod:`llmlib.kernels.integer` (int8/int4 products by integer dot products),
-:mod:`llmlib.kernels.paged_attention` (decode attention read straight out of a KV cache),
-:mod:`llmlib.kernels.matvec` (one-row float32 products where MKL is slow) and
-:func:`llmlib.model.norm.rms_norm` (RMSNorm in one pass per row). The first three are built for AVX-512
-or, on CPUs without it, for AVX2; the last needs AVX-512. All are optional: where the CPU lacks
-the instructions, no compiler exists, or the build fails, :func:`build` says so once and the
-callers keep PyTorch's operators. Which build runs is :attr:`llmlib.kernels.flags.Flags.isa`:
-``LLMLIB_NATIVE_ISA=avx2`` builds and runs the AVX2 variants on a CPU that has AVX-512 too, and
-``none`` turns them all off (how the tests check every path on any x86 machine).
+Four use this: :mod:`llmlib.kernels.integer`, :mod:`llmlib.kernels.paged_attention`,
+:mod:`llmlib.kernels.matvec` (built for AVX-512 or AVX2) and :func:`llmlib.model.norm.rms_norm`
+(AVX-512 only). All are optional: where the CPU, the compiler or the build fails, :func:`build`
+says so once and PyTorch's operators serve. Which build runs is
+:attr:`llmlib.kernels.flags.Flags.isa` (``LLMLIB_NATIVE_ISA=avx2`` runs the AVX2 builds on an
+AVX-512 CPU, ``none`` none: how the tests check every path on any x86 machine).
 
-Every kernel splits its work with ``at::parallel_for``, which is OpenMP inside PyTorch's CPU
-build. The header only spreads work over threads when the extension itself is compiled with
-OpenMP: without ``-fopenmp`` the pragma is silently ignored and the loop runs on one thread, so
-the flags here always carry it (and the extension then shares PyTorch's thread count).
+Every kernel splits its work with ``at::parallel_for``, which spreads over threads only when the
+extension is compiled with OpenMP: without ``-fopenmp`` the loop silently runs on one thread, so
+the flags here always carry it (and share PyTorch's thread count).
 """
 
 from __future__ import annotations
@@ -54,8 +50,7 @@ def flags_for(which: str) -> list[str]:
 
 
 def _versioned(name: str, source: str, flags: list[str]) -> str:
-    """``name`` with a digest of the source, the flags and PyTorch's version: a build is found
-    again by its contents, whichever checkout (path) of llmlib asks for it."""
+    """``name`` plus a digest of source, flags and torch's version: found by contents, not path."""
     import hashlib
 
     import torch
@@ -84,12 +79,10 @@ def cached(name: str, source: str, flags: list[str]) -> bool:
 
 
 def build(name: str, source: str, flags: list[str], what: str) -> bool:
-    """Compile (the first time on a machine) and load ``csrc/<source>`` as extension ``name``;
-    False, with one warning naming ``what``, where that fails. Callers cache the answer.
-
-    A finished build is loaded directly. ``cpp_extension.load`` would run ninja again, and
-    ninja rebuilds whenever the source's path differs from the last build's, as it does in
-    every fresh clone of the repository."""
+    """Compile (once per machine) and load ``csrc/<source>`` as extension ``name``; False, with
+    one warning naming ``what``, where that fails. A finished build is loaded directly:
+    ``cpp_extension.load`` would run ninja, which rebuilds whenever the source's path differs
+    from the last build's, as in every fresh clone."""
     import torch
     from torch.utils import cpp_extension
 

@@ -1,13 +1,11 @@
 """RMSNorm in one pass per row, in C++ (``llmlib/kernels/csrc/rms_norm.cpp``).
 
-PyTorch's CPU ``F.rms_norm`` is a chain of separate operators (square, mean, rsqrt, two
-products), each a pass over the row. :class:`FusedRMSNorm` takes the place of
-:class:`llmlib.model.norm.RMSNorm` where the kernel builds (AVX-512) and the flags allow it
-(:attr:`llmlib.kernels.flags.Flags.fused_norm`, ``LLMLIB_FUSED_NORM=0`` turns it off): the same
-arithmetic, float32 inside, one rounding at the end. Under autograd, off the CPU, or for Gemma's
-``1 + weight`` variant it is the plain module; a compiled graph gets the plain module too
-(:meth:`FusedRMSNorm.plain`, through :func:`llmlib.runtime.compile.graph_view`), since inductor
-fuses that itself.
+PyTorch's CPU ``F.rms_norm`` is a chain of operators, each a pass over the row.
+:class:`FusedRMSNorm` replaces :class:`llmlib.model.norm.RMSNorm` where the kernel builds
+(AVX-512) and :attr:`llmlib.kernels.flags.Flags.fused_norm` allows (``LLMLIB_FUSED_NORM=0``):
+float32 inside, one rounding at the end. Under autograd, off the CPU or for Gemma's
+``1 + weight`` it is the plain module, and so in a compiled graph (:meth:`FusedRMSNorm.plain`,
+:func:`llmlib.runtime.compile.graph_view`), since inductor fuses that itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """bfloat16 weights in oneDNN's blocked layout, held once.
 
-On a CPU with AMX or AVX512-BF16, oneDNN (PyTorch's CPU kernel library) multiplies a bfloat16
-matrix several times faster once it has been re-ordered into its own blocked layout, at one row
-(batch-1 decode) and at many (prefill, batches). :func:`llmlib.kernels.prepare.prepare` stores each
-bfloat16 matrix of a CPU model for an :class:`OneDNNWeight`, the same numbers re-ordered.
+On a CPU with AMX or AVX512-BF16, oneDNN multiplies a bfloat16 matrix several times faster once
+re-ordered into its blocked layout, at one row and at many: :func:`llmlib.kernels.prepare.prepare`
+stores each bfloat16 matrix of a CPU model so (:class:`OneDNNWeight`).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from llmlib.kernels.weights import PackedWeight, PlainWeight
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether bfloat16 (or float32) matrices are held in oneDNN's blocked layout here: the flags
-    ask for it (:attr:`~llmlib.kernels.flags.Flags.onednn_bfloat16`, ``onednn_float32``) and
-    this PyTorch and CPU can (:func:`supported`)."""
+    """Whether ``dtype`` matrices are held in oneDNN's layout here: the flags ask for it
+    (:attr:`~llmlib.kernels.flags.Flags.onednn_bfloat16`, ``onednn_float32``), :func:`supported`."""
     f = flags()
     wanted = f.onednn_float32 if dtype == torch.float32 else f.onednn_bfloat16
     return wanted and supported(dtype)
@@ -27,9 +25,8 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 @functools.cache
 def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this PyTorch and CPU re-order ``dtype`` matrices for oneDNN: the op must exist, and
-    oneDNN refuses its bfloat16 path on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an
-    AVX2-only machine). Probed once on a small matrix, so the answer is PyTorch's own."""
+    """Whether this PyTorch and CPU re-order ``dtype`` for oneDNN (it refuses bfloat16 without
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT): probed once on a small matrix, so PyTorch's own answer."""
     if not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -42,15 +39,10 @@ def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 class OneDNNWeight(PackedWeight):
-    """A bfloat16 (or float32) matrix held only in oneDNN's blocked layout (what
-    ``torch.compile`` makes of frozen CPU weights): AMX/AVX512-BF16 multiply it several times
-    faster than a plain strided bfloat16 matrix, at one row or many. Not quantized: the same
-    numbers, re-ordered once.
-
-    A compiled graph multiplies the plain matrix instead (:meth:`for_graph`): the blocked
-    tensor is opaque (no strides, no storage), so it cannot be a traced graph input; frozen into
-    the graph as a constant, the plain matrix is re-stored by inductor in a layout of its own.
-    """
+    """A bfloat16 (or float32) matrix held only in oneDNN's blocked layout (what ``torch.compile``
+    makes of frozen CPU weights): the same numbers, re-ordered once. A compiled graph multiplies
+    the plain matrix instead (:meth:`for_graph`): the blocked tensor is opaque (no strides, no
+    storage), so it cannot be a traced input; frozen, inductor re-stores the plain one itself."""
 
     _constants = "w"
 
@@ -80,6 +72,5 @@ class OneDNNWeight(PackedWeight):
         return self.w.to_dense()
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        # in a state dict this is the plain matrix it holds, under the weight's own name
-        # (``...wqkv.weight``, which the fused projection then splits into wq, wk, wv)
+        # the plain matrix, under the weight's name (``...wqkv.weight``, split into wq, wk, wv)
         destination[prefix.removesuffix(".")] = self.w.to_dense()

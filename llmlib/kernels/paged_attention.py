@@ -1,33 +1,23 @@
 """Decode attention read straight out of a KV cache where it lies: the CPU kernel.
 
-A decoding query attends over its sequence's keys. Two caches hold those keys in ways PyTorch's
-fused attention serves badly on a CPU:
+Two caches hold a decoding query's keys in ways PyTorch's fused attention serves badly on a CPU:
 
-* the batching engine's paged pool (:mod:`llmlib.engine.paged_cache`): with PyTorch's operators,
-  ``index_select`` first copies every sequence's blocks into one padded tensor, then
-  ``scaled_dot_product_attention`` reads that copy, and on a memory-bound step the copy costs a
-  large share of what the attention does;
+* the batching engine's paged pool (:mod:`llmlib.engine.paged_cache`): ``index_select`` first
+  copies every sequence's blocks into one padded tensor, a large share of a memory-bound step;
 * a fixed-shape step (:class:`llmlib.engine.fixed_step.FixedStep`): every row attends over its
-  table's width under a mask, so no shape changes, and PyTorch's CPU kernel for one bfloat16
-  query costs several times its float32 one.
+  table's width under a mask, and PyTorch's CPU kernel for one bfloat16 query costs several
+  times its float32 one.
 
-The kernel (``llmlib/kernels/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``) walks a
-block table instead, reads every key and value of the sequence once where it lies, stops at the
-sequence's length, and keeps the softmax running as it goes (flash attention's online form), so
-nothing of the keys' size is written and no sequence pays for another's padding or for unused
-slots.
+The kernel (``llmlib/kernels/csrc/paged_attention.cpp``, op ``llmlib_paged::decode_attention``)
+walks a block table instead, reads each key and value once where it lies, stops at the
+sequence's length and keeps the softmax running (flash attention's online form), so no sequence
+pays for another's padding or for unused slots.
 
-It serves where all of this holds: a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or
-bfloat16 caches, a head size that is a multiple of 16, the layer's
-:class:`~llmlib.model.attention.AttentionSpec` asking for the fused function (``backend ==
-"sdpa"``, with any score scale, soft cap or window: :func:`serves_spec`), and the flags allowing
-it (:attr:`llmlib.kernels.flags.Flags.paged_kernel`, ``LLMLIB_PAGED_KERNEL=0`` turns it off).
-Elsewhere PyTorch's operators run, as the reference the tests compare it with.
-
-On CUDA the same two entry points serve through the Triton kernels of
-:mod:`llmlib.kernels.paged_triton` (triton installed, a float32, bfloat16 or float16 pool, a head
-size up to 256), under the same flag: the engine's decode steps then read the pool in place on a
-GPU too, instead of gathering every row's blocks first.
+It serves on a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or bfloat16 caches, heads
+a multiple of 16, a layer asking for the fused function (:func:`serves_spec`) and
+``LLMLIB_PAGED_KERNEL`` not ``0`` (:attr:`llmlib.kernels.flags.Flags.paged_kernel`); elsewhere
+PyTorch's operators, the tests' reference. On CUDA the same entry points go to the Triton
+kernels of :mod:`llmlib.kernels.paged_triton`, under the same flag.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ _NAME = "llmlib_paged"
 
 @functools.cache
 def _load() -> bool:
-    # one source, built for AVX-512 where the CPU has it, else for AVX2 (named apart, so a cache
-    # shared by two machines never hands one the other's instructions)
+    # built for AVX-512 or AVX2, named apart: a shared cache never hands one the other's
     isa = native.isa()
     cflags = native.flags_for(isa)
     if not native.build(f"{_NAME}_{isa}", "paged_attention.cpp", cflags, "paged attention kernel"):
@@ -97,10 +86,8 @@ def decode_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence and head ``q [n, H, hd]`` over each sequence's first ``lens[i]``
-    keys (the blocks ``table[i]`` names, in order): ``[n, H, hd]`` in ``q``'s dtype. Query head
-    ``h`` reads KV head ``h // (H / Hkv)``, as grouped-query attention does. CUDA tensors go to
-    the Triton kernel (:func:`llmlib.kernels.paged_triton.decode_attention`), and so do meta
-    tensors (a trace of the CUDA step)."""
+    keys (in the blocks ``table[i]`` names) -> ``[n, H, hd]`` in ``q``'s dtype; head ``h`` reads
+    KV head ``h // (H / Hkv)``. CUDA and meta tensors go to :mod:`llmlib.kernels.paged_triton`."""
     if q.device.type != "cpu":
         from llmlib.kernels import paged_triton
 

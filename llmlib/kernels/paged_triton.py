@@ -1,50 +1,36 @@
 """The paged pool's two GPU kernels, written in Triton: decode attention read in place, and the
 write of a step's new keys and values.
 
-On a GPU without them, each decode step copies its cache: every row's blocks are gathered with
-``index_select`` into one tensor padded to the longest row (:mod:`llmlib.engine.paged_cache`),
-and only then does the fused attention read that copy. At 256 rows of 128 blocks in an 8B
-model's shape the copy is a gibibyte per layer for the keys and another for the values: some
-64 GiB a step, four times the 15 GiB of weights the step also reads. The kernels here read and
-write the pool where it lies.
+Without them, each decode step on a GPU copies its cache: every row's blocks are gathered with
+``index_select`` into one tensor padded to the longest row (:mod:`llmlib.engine.paged_cache`)
+before the fused attention reads it. At 256 rows of 128 blocks in an 8B model's shape that is
+some 64 GiB a step, four times the 15 GiB of weights the step also reads.
 
-**Decode attention** (:func:`decode_attention`): one program per (sequence, KV head). It walks
-the sequence's block table a tile of ``TILE`` keys at a time: key ``t`` sits in block
-``table[t // block_size]`` at slot ``t % block_size``, so each key's row is found through the
-table on its own and a tile may span blocks of any size. Every query head that shares the KV
-head (grouped-query attention: head ``h`` reads KV head ``h // (H / Hkv)``) scores the tile in
-one small matrix product, so each key and value is read from memory once for all of them. The
-softmax is online, as in flash attention: a running maximum ``m``, a running sum ``l`` of
-``exp(score - m)`` and a running weighted sum of values, rescaled by ``exp(m_old - m_new)``
-whenever a tile raises the maximum; nothing the size of the keys is ever written. A sliding
-window starts the walk at the window's first key; a soft cap squashes each score to
-``cap * tanh(score / cap)`` before the softmax (Gemma 2). Tiles are counted from that first key
-whatever the block size, so a query's sums depend on its own position alone, not on the pool or
-on the other rows (the batch-invariant mode relies on it, as it does on the CPU kernel's).
+**Decode attention** (:func:`decode_attention`): one program per (sequence, KV head), walking
+the block table ``TILE`` keys at a time: key ``t`` sits in block ``table[t // block_size]`` at
+slot ``t % block_size``, so a tile may span blocks of any size. Every query head sharing the KV
+head scores the tile in one small matrix product, so each key and value is read once for all of
+them. The softmax is online, as in flash attention: a running maximum ``m`` and sum ``l``,
+rescaled by ``exp(m_old - m_new)``; nothing the size of the keys is written. A sliding window
+starts the walk at its first key; a soft cap squashes scores to ``cap * tanh(score / cap)``
+(Gemma 2). Tiles are counted from that first key whatever the block size, so a query's sums
+depend on its own position alone (the batch-invariant mode relies on it).
 
-**The KV write** (:func:`write_kv`): one program per new token copies its ``[Hkv, hd]`` keys and
-values to pool slot ``slots[i] = block * block_size + offset``; a negative slot writes nothing
-(a padding row).
+**The KV write** (:func:`write_kv`): one program per new token copies its ``[Hkv, hd]`` keys
+and values to pool slot ``slots[i]``; a negative slot (a padding row) writes nothing.
 
-Both take every size from tensor shapes and every index from device memory: no value is read
-back to the host and nothing is allocated by value, so a CUDA graph captures them. Both are
-``torch.library.triton_op`` operators (``llmlib_triton::decode_attention``, ``::write_kv``):
-``torch.compile`` and ``torch.export`` see the Triton kernels inside (a fake-tensor trace records
-them without running them), and on the meta device they give their outputs' shapes.
+Both read every size from shapes and every index from device memory, so a CUDA graph captures
+them; as ``torch.library.triton_op`` operators (``llmlib_triton::decode_attention``,
+``::write_kv``) they are seen by ``torch.compile`` and ``torch.export``, and give shapes on the
+meta device. They serve (:func:`serves`) contiguous CUDA pools of float32, bfloat16 or float16,
+heads up to 256 (80 or 96 padded and masked); few long rows keep few programs busy (no split
+over the keys).
 
-They serve (:func:`serves`) CUDA pools of float32, bfloat16 or float16 whose head size is at
-most 256 (any size: a head of 80 or 96 is padded to the next power of two and masked), laid out
-``[num_blocks, block_size, kv_heads, head_dim]`` and contiguous. Long contexts over few rows keep
-few programs busy (one per sequence and KV head: no split over the keys).
-
-In a process that set ``TRITON_INTERPRET=1`` before importing triton, the same kernels run on
-CPU tensors under Triton's interpreter (numpy, one program after another), so ``make test``
-checks them on a machine without a GPU against the reference attention
-(``tests/test_paged_triton.py``). The interpreter is for tests: the CPU's own decode kernel is
-:mod:`llmlib.kernels.paged_attention`'s C++ one. Two of its differences from a GPU shape the code:
-it multiplies bfloat16 matrices as integers and rounds to bfloat16 by truncating, so the kernels
-multiply in float32 (as TF32 on a GPU, exact for 16-bit inputs) and never round to 16 bits
-themselves: attention hands back float32, and new keys are converted by PyTorch before the write.
+With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels run on CPU tensors under
+Triton's interpreter, so ``make test`` checks them without a GPU (``tests/test_paged_triton.py``).
+The interpreter multiplies bfloat16 as integers and rounds to bfloat16 by truncating, so the
+kernels multiply in float32 (TF32 on a GPU, exact for 16-bit inputs) and never round to 16 bits:
+attention hands back float32, and new keys are converted by PyTorch before the write.
 """
 
 import math
@@ -61,8 +47,7 @@ except ImportError:  # no triton: serves() says no, and nothing below is defined
 #: the pool dtypes the kernels serve
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
-#: query heads per program: a matrix product on a GPU needs at least 16 rows, so a group of
-#: fewer heads (or one head) is padded to 16 and masked; a larger group takes several programs
+#: query heads per program (a GPU matrix product needs 16 rows: fewer are padded and masked)
 HEADS = 16
 
 
@@ -72,9 +57,8 @@ def available() -> bool:
 
 
 def serves(k_pool: torch.Tensor) -> bool:
-    """Whether the kernels serve a pool ``[num_blocks, block_size, kv_heads, head_dim]`` on this
-    machine: a CUDA tensor (or a meta one, which stands for it in a trace of the CUDA step:
-    shapes only), triton importable, a served dtype and head size, contiguous."""
+    """Whether the kernels serve a pool ``[num_blocks, block_size, kv_heads, head_dim]`` here:
+    CUDA (or meta, tracing the CUDA step), triton, a served dtype and head size, contiguous."""
     return (
         k_pool.device.type in ("cuda", "meta")
         and available()
@@ -90,10 +74,9 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def _tile(head_dim: int) -> int:
-    """Keys per step of the walk: as many as fit in an H100's registers beside the tile's values
-    and the running sums, at Triton's default of 4 warps, without spilling (``ptxas -v`` for
-    sm_90a, compiled without a GPU: 198 registers at 32 keys of 128 channels, 128 at 16 keys of
-    256; 64 keys of 128 spill)."""
+    """Keys per step of the walk: as many as fit in an H100's registers at 4 warps without
+    spilling (``ptxas -v`` for sm_90a: 198 registers at 32 keys of 128 channels, 128 at 16 keys
+    of 256; 64 keys of 128 spill)."""
     return 32 if head_dim <= 128 else 16
 
 
@@ -270,11 +253,8 @@ def decode_attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence and head ``q [n, H, hd]`` over each sequence's first ``lens[i]``
-    keys, the blocks ``table[i]`` (``[n, max_blocks]``, int64 or int32) names, in order:
-    ``[n, H, hd]`` in ``q``'s dtype, as :func:`llmlib.kernels.paged_attention.decode_attention`.
-    Query head ``h`` reads KV head ``h // (H / Hkv)``; ``window`` hides keys ``window`` or more
-    positions behind the query (position ``lens[i] - 1``); ``softcap`` squashes the scores."""
+    """As :func:`llmlib.kernels.paged_attention.decode_attention`: ``q [n, H, hd]`` over each
+    sequence's first ``lens[i]`` keys, in the blocks ``table[i]`` (int64 or int32) names."""
     _check(q, k_pool, v_pool)
     if q.shape[1] % k_pool.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_pool.shape[2]}")
@@ -295,17 +275,14 @@ def write_kv(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
 ) -> None:
-    """Store each new token's keys and values ``[n, Hkv, hd]`` at pool slot ``slots[i]``
-    (``block * block_size + offset``; negative: not written), in the pool's dtype. The same as
-    ``pool.view(-1, Hkv, hd).index_copy_(0, slots, new.to(pool.dtype))`` for keys and values,
-    in one launch, and padding rows need not be taken out first. For the engine's writes on
-    CUDA: :func:`llmlib.engine.paged_cache.write_kv` can hand it its step's ``write_slots``."""
+    """Store new keys and values ``[n, Hkv, hd]`` at pool slots ``slots[i]`` (negative: not
+    written): ``pool.view(-1, Hkv, hd).index_copy_(0, slots, new)`` in one launch, padding rows
+    left in (:func:`llmlib.engine.paged_cache.write_kv` hands it its step's ``write_slots``)."""
     _check(k_new, k_pool, v_pool)
     if v_new.shape != k_new.shape or k_new.shape[1] != k_pool.shape[2]:
         raise ValueError(f"new keys/values {tuple(k_new.shape)} do not fit {tuple(k_pool.shape)}")
-    # converted here, by PyTorch's rounding: Triton's interpreter truncates to bfloat16 where a
-    # GPU rounds to nearest, and the kernel should do the same on both (a no-op in the engine,
-    # whose new keys already have the pool's dtype)
+    # converted by PyTorch: Triton's interpreter truncates to bfloat16 where a GPU rounds to
+    # nearest (a no-op in the engine, whose new keys already have the pool's dtype)
     k_new, v_new = k_new.to(k_pool.dtype), v_new.to(v_pool.dtype)
     if k_new.stride(-1) != 1:
         k_new = k_new.contiguous()

@@ -1,24 +1,20 @@
 """Speed, swapped in once a model is built: each matrix in the layout its kernel reads.
 
-The book's model (:mod:`llmlib.model`) is plain PyTorch: ``nn.Linear`` layers, an embedding
-table, RMSNorm. :func:`prepare` makes it fast on the machine it will run on, the way gpt-fast
-swaps in its quantized linears after building the model: it decides, once, for every weight
-matrix, which layout and kernel multiply it here (:mod:`llmlib.kernels.weights`), stores the
-matrix that way (straight from the checkpoint when a loader streams it in), and puts a layer
-holding it where the ``nn.Linear`` was (:class:`~llmlib.kernels.modules.PackedLinear`). Norms
-become the fused kernel where it builds. The model's code never asks which CPU it runs on.
+The book's model (:mod:`llmlib.model`) is plain PyTorch. :func:`prepare` makes it fast here, the
+way gpt-fast swaps in its quantized linears: once, for every weight matrix, it picks a layout
+and kernel (:mod:`llmlib.kernels.weights`), stores the matrix so (straight from the checkpoint
+when a loader streams it in), and puts a :class:`~llmlib.kernels.modules.PackedLinear` where
+the ``nn.Linear`` was; norms become the fused kernel. The model never asks which CPU it runs on.
 
 What decides (:func:`pack_matrix`), for a matrix on a CPU:
 
-* int8/int4 codes (quantized here, or a GGUF file's own blocks): integer dot products
+* int8/int4 codes (quantized here, or a GGUF file's blocks): integer dot products
   (:mod:`llmlib.kernels.integer`) where the flags choose them and the shape fits, else PyTorch's
   weight-only kernels (:class:`~llmlib.kernels.weights.Int8Weight`, ``Int4Weight``);
 * float32: the one-row kernel and oneDNN's second copy where the flags choose them
-  (:class:`~llmlib.kernels.weights.Float32Weight`), every matrix in one buffer, in the layout
-  decode streams fastest (:mod:`llmlib.kernels.layout`);
-* bfloat16: oneDNN's blocked layout where the CPU has one (:mod:`llmlib.kernels.onednn`); on a
-  CPU without bfloat16 arithmetic, plain, widened to float32 for products of several rows
-  (:class:`~llmlib.kernels.bfloat16.Bfloat16Weight`).
+  (:class:`~llmlib.kernels.weights.Float32Weight`), in one buffer (:mod:`llmlib.kernels.layout`);
+* bfloat16: oneDNN's blocked layout where the CPU has one (:mod:`llmlib.kernels.onednn`), else
+  widened to float32 for several rows (:class:`~llmlib.kernels.bfloat16.Bfloat16Weight`).
 
 On a GPU, float matrices stay ``nn.Linear`` and codes take PyTorch's CUDA kernels. Every choice
 comes from :func:`llmlib.kernels.flags.flags`, so a test can force each path.
@@ -43,29 +39,20 @@ from llmlib.kernels.bfloat16 import Bfloat16Weight
 from llmlib.kernels.flags import flags
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
 from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
-from llmlib.kernels.weights import (
-    Float32Weight,
-    Int4Weight,
-    PackedWeight,
-    RowTiles,
-    pack_reference,
-)
+from llmlib.kernels.weights import Float32Weight, Int4Weight, PackedWeight, RowTiles, pack_reference
 from llmlib.model.embedding import TokenEmbedding
 from llmlib.model.norm import RMSNorm
 from llmlib.quantize import ChannelCodes, Codes, GroupCodes, quantize_int4, quantize_int8
 
-#: What a matrix is made from: a float tensor, codes (quantized here or read from a file), or
-#: either of those read a slice of rows at a time.
+#: What a matrix is made from: a float tensor or codes, whole or read a slice of rows at a time.
 Source = torch.Tensor | ChannelCodes | GroupCodes | Rows
 
 
 @dataclass(frozen=True)
 class Format:
-    """How a model's weights are held: on ``device``, computing in ``dtype`` (the activations',
-    and the dense weights'), and ``quantization`` None, ``"int8"``, ``"int4"`` (``group_size``
-    weights per scale) or ``"gguf"`` (the file's own blocks, as codes). ``plain``: float matrices
-    stay ordinary ``nn.Linear`` weights and norms stay the book's RMSNorm, as the chapters build
-    the model (no layout of this machine's kernels)."""
+    """How a model's weights are held: on ``device``, computing in ``dtype``, ``quantization``
+    None, ``"int8"``, ``"int4"`` (``group_size`` weights per scale) or ``"gguf"`` (the file's
+    blocks). ``plain``: float matrices and norms stay as the chapters build them."""
 
     device: torch.device
     dtype: torch.dtype
@@ -109,9 +96,8 @@ def _tables(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def quantize(name: str, w: torch.Tensor, fmt: Format, describe: Callable[[str], str]) -> Codes:
-    """Codes for a float matrix in ``fmt.quantization`` (int4 keeps the LM head, and a tied
-    table, in int8, as llama.cpp's 4-bit files do: every logit comes from that one matrix). Big
-    matrices are rounded a slice of rows at a time, so no float32 copy of one is ever whole."""
+    """Codes for a float matrix in ``fmt.quantization``, rounded in slices (never whole in float32);
+    int4 keeps the LM head (and a tied table) in int8, as llama.cpp does: every logit is from it."""
     rows = max(1, (64 << 20) // (4 * w.shape[1]))  # ~64 MiB of float32 at a time
     int8 = fmt.quantization == "int8" or name in ("embed", "lm_head")
     parts = []
@@ -125,10 +111,8 @@ def quantize(name: str, w: torch.Tensor, fmt: Format, describe: Callable[[str], 
 
 
 def pack_codes(codes: Codes, fmt: Format, *, rows: bool = False) -> PackedWeight | torch.Tensor:
-    """Codes in the layout of the fastest kernel that multiplies them here: the integer kernels
-    on a CPU where they run and fit, else PyTorch's weight-only layout; 8-bit codes in groups,
-    which PyTorch has no kernel for, become a dense matrix in ``fmt.dtype``. ``rows``: the matrix
-    is also an embedding table, whose rows must be readable."""
+    """Codes in the fastest layout here: the integer kernels', else PyTorch's (which has none for
+    8-bit codes in groups: those become dense). ``rows``: also an embedding table, rows readable."""
     if fmt.device.type == "cpu":
         packed = integer.pack(codes, fmt.dtype)
         if packed is not None:
@@ -142,8 +126,7 @@ def pack_codes(codes: Codes, fmt: Format, *, rows: bool = False) -> PackedWeight
 
 
 def pack_dense(name: str, w: torch.Tensor, fmt: Format) -> PackedWeight | torch.Tensor:
-    """A float matrix in the layout its products run fastest in here (a plain tensor where
-    PyTorch's own product is that)."""
+    """A float matrix in its fastest layout here (a plain tensor where PyTorch's product is)."""
     w = w.to(device=fmt.device, dtype=fmt.dtype)
     if fmt.device.type != "cpu" or fmt.plain:
         return w
@@ -198,15 +181,10 @@ def prepare(
     progress: bool = False,
 ) -> nn.Module:
     """Store every matrix of ``model`` for this machine's kernels, in place; return the model.
-
-    ``fmt`` defaults to the model's own device and dtype, unquantized. ``sources(name)`` hands in
-    a matrix by module name (``"layers.0.attn.wqkv"``, ``"embed"``): a float tensor or codes,
-    read from the checkpoint just then, so a loader streams the file through here one matrix
-    at a time; None for a matrix it has no codes for (that one keeps its float weights, cast to
-    ``fmt.dtype``). Without ``sources`` the model's own weights are used. A matrix already
-    stored (a second call) is left alone. ``describe`` names a matrix in the checkpoint's terms,
-    for errors; ``progress`` shows a bar, one step per matrix.
-    """
+    ``fmt`` defaults to the model's device and dtype, unquantized. ``sources(name)`` hands in a
+    matrix by module name (``"layers.0.attn.wqkv"``) read from the checkpoint just then, so a
+    loader streams the file through here one matrix at a time; None keeps the model's own
+    weights. A matrix already stored is left alone. ``describe`` names a matrix for errors."""
     fmt = fmt or Format.of(model)
     tables = _tables(model)
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
@@ -268,8 +246,7 @@ def _set_dense(mod: nn.Module, w: torch.Tensor, fmt: Format) -> None:
 
 
 def _install(model: nn.Module, name: str, mod: nn.Module, packed: PackedWeight | torch.Tensor):
-    """Put the stored matrix where the layer was: a plain tensor stays the layer's weight; a
-    layout gets a layer of its own."""
+    """Put the stored matrix where the layer was: a tensor as its weight, a layout as a layer."""
     if isinstance(packed, torch.Tensor):
         del mod.weight
         mod.weight = nn.Parameter(packed, requires_grad=False)
@@ -339,9 +316,8 @@ TAILS = (2, 4, 8, 16, 32)
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model``'s modules that shares every tensor (parameters, buffers, and tensors a
-    module holds as a plain attribute: Float32Weight's oneDNN copy is opaque, it has no storage
-    that deepcopy could read): swapping a module of the copy leaves the model as it was."""
+    """A copy of ``model``'s modules sharing every tensor, plain attributes too (Float32Weight's
+    opaque oneDNN copy has no storage for deepcopy): swapping its modules leaves the model alone."""
     held = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
     tensors = itertools.chain(model.parameters(), model.buffers(), held)
     return copy.deepcopy(model, memo={id(t): t for t in tensors})
@@ -350,20 +326,13 @@ def shared_copy(model: nn.Module) -> nn.Module:
 def row_tiled(
     model: nn.Module, tile: int, larger: tuple[int, ...] = (), tails: tuple[int, ...] = TAILS
 ) -> nn.Module:
-    """A view of ``model`` (its tensors shared, not copied, with one exception below) whose
-    every weight product is taken ``tile`` rows at a time
-    (:class:`~llmlib.kernels.weights.RowTiles`): what the batch-invariant engine runs, so a
-    token's products never depend on how many rows share its step. The model itself is
-    unchanged.
-
-    A fixed shape is not enough for MKL's float32 kernels for AVX2: they compute some rows of a
-    tile with other code than the rest (rows 30 and 31 of 32), so a token's sums would depend on
-    the row it lands in. Below AVX-512, float32 matrices without oneDNN's blocked copy get one
-    for the view (it treats every row alike); bfloat16 matrices are multiplied plainly. And each
-    kind of matrix (layout and shape) is checked once (:meth:`RowTiles.alike`): where ``tile``
-    rows fail, the first of ``larger`` that passes is taken, and if none does, an error names
-    the matrix. Then each of ``tails`` below the tile that gives a row the tile's bits may hold
-    a last, partial tile."""
+    """A view of ``model`` (tensors shared) whose every product is taken ``tile`` rows at a time
+    (:class:`~llmlib.kernels.weights.RowTiles`): what the batch-invariant engine runs. MKL's
+    float32 kernels for AVX2 compute rows 30 and 31 of 32 with other code, so below AVX-512
+    float32 matrices get oneDNN's blocked copy (every row alike) and bfloat16 ones are multiplied
+    plainly. Each kind of matrix is checked once (:meth:`RowTiles.alike`): ``tile``, else the
+    first of ``larger`` that passes, else an error; then the ``tails`` that give a row the
+    tile's bits may hold a last, partial tile."""
     view = shared_copy(model)
     chosen: dict[tuple, tuple[int, tuple[int, ...]] | None] = {}
     for name, mod in weight_matrices(view).items():
@@ -402,9 +371,8 @@ def read_bytes(w: PackedWeight | torch.Tensor) -> int:
 
 
 def blocked_copies(model: nn.Module, on: bool) -> int:
-    """Give every float32 matrix of a prepared CPU model a oneDNN-blocked second copy for
-    products of several rows (``on``), or drop them; how many changed. What
-    ``llmlib bench batching`` times both ways, in one run."""
+    """Give every float32 matrix a oneDNN-blocked second copy (``on``) or drop them; how many
+    changed. ``llmlib bench batching`` times both ways, in one run."""
     n = 0
     for mod in weight_matrices(model).values():
         w = mod.weight

@@ -1,11 +1,9 @@
 """A big matrix read from a checkpoint a slice of rows at a time, and packed as it comes.
 
-An embedding table or an LM head holds a large share of a model: for Llama-3-8B, half a billion
-weights each. Read whole, such a matrix exists in floats (or in one byte per code) beside the
-layout it is stored in, which on a small machine is the difference between loading and not.
-:class:`Rows` reads it in slices; :func:`assemble` turns each slice into its final form (float
-rows copied into place, codes rounded here, or the integer kernels' layout) before reading the
-next, and hands freed memory back to the system between slices.
+An embedding table or an LM head is a large share of a model (half a billion weights each in
+Llama-3-8B). Read whole, it exists in floats (or codes) beside its stored layout, which on a small
+machine is the difference between loading and not. :class:`Rows` reads slices; :func:`assemble`
+stores each before reading the next, handing freed memory back between slices.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ from llmlib.quantize import ChannelCodes, Codes, GroupCodes
 
 @dataclass(frozen=True)
 class Rows:
-    """A matrix read from a checkpoint a slice of rows at a time: ``read(i, j)`` returns rows
-    ``i .. j-1`` as a float tensor or as codes. A big matrix (an embedding table) then never
-    exists whole in floats, or twice in codes, beside the layout it is stored in."""
+    """A matrix read in slices: ``read(i, j)`` returns rows ``i .. j-1``, floats or codes."""
 
     shape: tuple[int, int]
     read: Callable[[int, int], torch.Tensor | ChannelCodes | GroupCodes]
@@ -39,11 +35,9 @@ class Rows:
 
 
 class Filled:
-    """A packed matrix assembled from the packed layouts of its slices of rows: each buffer of the
-    whole matrix is allocated once, on the first slice, and each slice is copied in as it comes,
-    so neither the whole matrix's codes nor two copies of its layout ever exist at once. (Every
-    layout here keeps its buffers row-major in tiles of output rows, so a slice of rows is a
-    slice of each buffer.)"""
+    """A packed matrix assembled from its slices' packed layouts: each buffer allocated once, each
+    slice copied in as it comes (every layout keeps its buffers row-major in tiles of output rows,
+    so a slice of rows is a slice of each buffer)."""
 
     def __init__(self, rows: int) -> None:
         self.rows, self.buffers = rows, {}
@@ -86,10 +80,9 @@ def assemble(
     quantize: Callable[[str, torch.Tensor], Codes] | None,
     slot: torch.Tensor | None,
 ):
-    """A matrix read in slices: float rows copied into ``slot`` (or a fresh tensor in
-    ``fmt.dtype``), or quantized slice by slice; codes packed slice by slice into the integer
-    kernels' layout where it takes the whole matrix (else concatenated). Only one slice's floats
-    or codes exist at a time."""
+    """A matrix read in slices: float rows copied into ``slot`` (or a new tensor), or quantized;
+    codes packed slice by slice into the integer kernels' layout where it takes the whole matrix
+    (else concatenated). Only one slice's floats or codes exist at a time."""
     out, codes, filled = slot, [], None
     for i, part in src.chunks():
         if isinstance(part, torch.Tensor) and quantize is not None:
@@ -120,8 +113,7 @@ def _float_bytes(part: Any) -> int:
 
 
 def _packs_whole(part: Codes, shape: tuple[int, int], fmt: Any) -> bool:
-    """Whether the integer kernels take the whole matrix of which ``part`` is the first slice
-    (and so every slice: each is a multiple of their tile of rows)."""
+    """Whether the integer kernels take the whole matrix ``part`` starts (slices: whole tiles)."""
     if fmt.device.type != "cpu" or not integer.available() or part.shape[0] % integer.TILE:
         return False
     if isinstance(part, ChannelCodes):
@@ -136,10 +128,9 @@ _handled = 0
 
 
 def give_back_freed_memory(nbytes: int | None = None) -> None:
-    """Hand memory freed since the last trim back to the system (glibc keeps freed blocks of a
-    few MB for reuse, and the temporaries of many matrices, freed, would otherwise add up to
-    several times the model while it loads). ``nbytes``: the size of what was just handled;
-    the trim then waits until :data:`TRIM_EVERY` bytes have passed (None: trim now)."""
+    """Hand freed memory back to the system (glibc keeps freed blocks of a few MB, and many
+    matrices' temporaries would add up to several times the model while it loads). ``nbytes``:
+    what was just handled; the trim waits for :data:`TRIM_EVERY` bytes (None: trim now)."""
     global _handled
     if nbytes is not None:
         _handled += nbytes

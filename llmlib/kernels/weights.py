@@ -1,33 +1,21 @@
 """How a weight matrix is stored for the kernel that multiplies it: one class per layout.
 
-A model's linear layers multiply by ``weight [out, in]``. On a GPU, or for a plain bfloat16
-matrix, PyTorch's ``F.linear`` is all there is to say. Elsewhere the fastest product depends on
-the layout the weights are kept in, and each layout comes with its own kernel, so the layout and
-the product travel together: a :class:`PackedWeight` is a module holding the stored tensors,
-with ``linear(x, bias)`` (the product), ``rows(ids)`` (the embedding lookup when the matrix is a
-tied table) and ``dequantize()`` (the plain matrix back, for tests and plots).
+On a CPU the fastest product depends on the layout the weights are kept in, and each layout
+comes with its own kernel, so the two travel together: a :class:`PackedWeight` is a module
+holding the stored tensors, with ``linear(x, bias)``, ``rows(ids)`` (a tied table's lookup) and
+``dequantize()``. :func:`llmlib.kernels.prepare.prepare` picks one per matrix, once, at load;
+a :class:`llmlib.kernels.modules.PackedLinear` holds it. The layouts:
 
-:func:`llmlib.kernels.prepare.prepare` picks one for every matrix of a model, once, when it is
-loaded; the model's own code only ever calls its layers (:class:`llmlib.kernels.modules.PackedLinear`
-holds one of these). The layouts:
-
-* :class:`Float32Weight` — a float32 matrix on a CPU, with llmlib's one-row kernel
-  (:mod:`llmlib.kernels.matvec`) for batch-1 decode and, optionally, a oneDNN-blocked second copy
-  for products of several rows (both where MKL is slow: CPUs not made by Intel);
-* :class:`llmlib.kernels.onednn.OneDNNWeight` — bfloat16 (or float32) held only in oneDNN's
-  blocked layout (AMX and AVX512-BF16);
-* :class:`llmlib.kernels.bfloat16.Bfloat16Weight` — a plain bfloat16 matrix on a CPU without
-  bfloat16 arithmetic (AVX2 only), multiplied in float32 when several rows share the product;
-* :class:`Int8Weight` and :class:`Int4Weight` — int8 codes with a scale per row, 4-bit codes with
-  a scale and a zero point per group: PyTorch's weight-only kernels (``_weight_int8pack_mm``,
-  ``_weight_int4pack_mm*``), on CPUs and GPUs, the reference the faster kernels are checked with;
-* :mod:`llmlib.kernels.integer` — the same codes multiplied by integer dot products (AVX-512 VNNI
-  or AVX2), activations rounded to int8 in blocks as llama.cpp does;
-* :class:`RowTiles` — any of them, multiplied a fixed number of rows at a time (the batch-invariant
-  engine, chapter 7);
+* :class:`Float32Weight` — float32 on a CPU: the one-row kernel, an optional oneDNN copy;
+* :class:`llmlib.kernels.onednn.OneDNNWeight` — bfloat16 (or float32) in oneDNN's blocked layout;
+* :class:`llmlib.kernels.bfloat16.Bfloat16Weight` — bfloat16 without bfloat16 arithmetic;
+* :class:`Int8Weight`, :class:`Int4Weight` — PyTorch's weight-only kernels, on CPUs and GPUs:
+  the reference the faster kernels are checked with;
+* :mod:`llmlib.kernels.integer` — the same codes by integer dot products (VNNI or AVX2);
+* :class:`RowTiles` — any of them, a fixed number of rows at a time (batch-invariant, chapter 7);
 * :class:`PlainWeight` — a plain matrix and ``F.linear``: what a compiled graph multiplies where
-  a layout is opaque to it. Each class has one ``linear``; a graph asks each weight what to
-  multiply instead (:meth:`PackedWeight.for_graph`, :func:`llmlib.runtime.compile.graph_view`).
+  a layout is opaque to it (:meth:`PackedWeight.for_graph`,
+  :func:`llmlib.runtime.compile.graph_view`).
 """
 
 from __future__ import annotations
@@ -83,9 +71,8 @@ class PackedWeight(nn.Module):
         return self.kind
 
     def for_graph(self) -> PackedWeight:
-        """What a compiled graph multiplies in this matrix's place, sharing its tensors: itself
-        (its kernel an operator the graph calls), or the plain matrix where its layout is opaque
-        to the compiler or its product picks code at run time."""
+        """What a compiled graph multiplies in this one's place (tensors shared): itself, or the
+        plain matrix where the layout is opaque to the compiler or picks code at run time."""
         return self
 
     def extra_repr(self) -> str:
@@ -95,11 +82,10 @@ class PackedWeight(nn.Module):
         raise NotImplementedError
 
 
-# PyTorch's CPU int8 kernel, with bfloat16 activations, reads past the end of a row whose width is
-# not a multiple of 16: wrong products, or a crash (found on the families' odd test widths; float32
-# and float16 were fine). Such matrices get zero columns up to the next multiple whatever the
-# dtype (a later ``.to(bfloat16)`` must not meet the bug), and each input as many zeros: the same
-# products, exactly. Real models' widths are multiples already, so they pay nothing.
+# PyTorch's CPU int8 kernel with bfloat16 activations reads past the end of a row whose width is
+# not a multiple of 16: wrong products, or a crash (the families' odd test widths). Such matrices
+# get zero columns up to the next multiple whatever the dtype (a later ``.to(bfloat16)``), and
+# each input as many zeros: the same products. Real models' widths pay nothing.
 _INT8_BF16_WIDTH = 16
 
 
@@ -132,20 +118,18 @@ class Int8Weight(PackedWeight):
         return ChannelCodes(self.q[:, : self.shape[1]], self.scale.float())
 
 
-# PyTorch's CPU int4 layout packs output channels in blocks of B: 64 where ATen's kernel was
-# built for AVX-512, 32 for AVX2. For each input column k a block holds B/2 bytes; channel n sits
-# in lane (n % B) // 16, byte (lane % (B // 32)) * 16 + n % 16, in the low nibble for the first
-# half of the lanes and the high one for the rest. Reading a row back (the embedding lookup of a
-# tied table) needs this map; Int4Weight checks it against the codes at pack time and keeps the
-# plain codes instead where the kernel packed differently (another CPU, another version).
+# PyTorch's CPU int4 layout packs output channels in blocks of B (64 for ATen's AVX-512 build, 32
+# for AVX2). For each input column a block holds B/2 bytes; channel n sits in lane (n % B) // 16,
+# byte (lane % (B // 32)) * 16 + n % 16, low nibble for the first half of the lanes. A tied
+# table's lookup needs this map; Int4Weight checks it at pack time and keeps the plain codes
+# where the kernel packed differently (another CPU, another version).
 _CPU_BLOCKS_N = (64, 32)
 
 
 def _cpu_int4_unpack_rows(
     packed: torch.Tensor, n: int, k: int, ids: torch.Tensor, block: int = 64
 ) -> torch.Tensor:
-    """Codes ``[len(ids), k]`` (0..15) of rows ``ids`` of a matrix packed for the CPU kernel in
-    blocks of ``block`` channels."""
+    """Codes ``[len(ids), k]`` of rows ``ids`` packed for the CPU in ``block``-row blocks."""
     per = block // 32  # 16-byte halves per column
     blocks = packed.view(n // block, k, block // 2)
     lane = (ids % block) // 16
@@ -274,21 +258,13 @@ class PlainWeight(PackedWeight):
 
 
 class Float32Weight(PlainWeight):
-    """A float32 matrix on a CPU, and the kernels chosen for its two kinds of product.
-
-    One row (batch-1 decode) is a matrix-vector product, limited by how fast the matrix streams
-    from memory: ``one_row=True`` takes :mod:`llmlib.kernels.matvec`'s kernel, where MKL streams
-    one row slowly (CPUs not made by Intel). Several rows (a prefill, a batch) are limited by
-    arithmetic: ``blocked=True`` keeps a second copy in oneDNN's blocked layout, which multiplies
-    several rows faster than MKL's generic code on such CPUs (at twice the memory). Otherwise
-    ``F.linear`` on the plain matrix, whose memory layout :mod:`llmlib.kernels.layout` chooses.
-    In a state dict this is the plain matrix, under the weight's own name.
-
-    A compiled graph never reads the blocked copy (:meth:`for_graph`): it is an opaque oneDNN
-    tensor, which inductor can only take as a frozen constant, and a graph compiled with it as an
-    input multiplied by garbage (the compiled engine's float32 bug, on CPUs not made by Intel,
-    where the copy is the default). The graph multiplies the plain matrix with its own kernels.
-    """
+    """A float32 matrix on a CPU. One row (decode) is bound by memory: ``one_row`` takes
+    :mod:`llmlib.kernels.matvec`'s kernel, where MKL streams one row slowly (CPUs not made by
+    Intel). Several rows are bound by arithmetic: ``blocked`` keeps a second copy in oneDNN's
+    blocked layout, faster there than MKL's generic code (at twice the memory). A compiled graph
+    never reads that copy (:meth:`for_graph`): inductor takes the opaque tensor only as a frozen
+    constant, and a graph given it as an input multiplied by garbage (the compiled engine's
+    float32 bug on CPUs not made by Intel)."""
 
     def __init__(self, w: torch.Tensor, *, one_row: bool = False, blocked: bool = False) -> None:
         super().__init__(w)
@@ -329,19 +305,12 @@ class Float32Weight(PlainWeight):
 
 
 class RowTiles(PackedWeight):
-    """Any weight, multiplied ``tile`` rows at a time, the last tile padded with zero rows: every
-    product the kernel library sees then has the same shape.
-
-    Why: BLAS and oneDNN pick their kernel, and with it the order of each dot product's sum, from
-    the matrix shapes, the number of rows included. A token's result then depends on how many
-    other tokens share its step. With the row count fixed it cannot: row ``i`` of a product
-    depends only on row ``i`` of the input. The batch-invariant engine runs on a view of the
-    model whose every product is wrapped so (:func:`llmlib.kernels.prepare.row_tiled`).
-
-    ``tails``: smaller row counts the last tile may be padded to instead, the first that holds
-    it, so a decode step of a few tokens pays for a few rows. Only counts the kernel computes
-    exactly as it does a whole tile belong there (the view checks each, :meth:`alike`).
-    """
+    """Any weight, multiplied ``tile`` rows at a time, the last tile padded with zero rows. BLAS
+    and oneDNN pick their kernel, and with it each dot product's order of summation, from the
+    shapes, the row count included, so a token's result depends on how many tokens share its
+    step; with the row count fixed it cannot (:func:`llmlib.kernels.prepare.row_tiled`).
+    ``tails``: smaller row counts the last tile may be padded to, so a step of a few tokens pays
+    for a few rows; only counts computed exactly as a whole tile (:meth:`alike`)."""
 
     kind = "row tiles"
 
@@ -391,12 +360,8 @@ class RowTiles(PackedWeight):
         return out[:n].view(*lead, out.shape[-1])
 
     def alike(self, rows: int = 0) -> bool:
-        """Whether the kernel computes every row of a tile alike: one input row copied into every
-        row must come out the same in each, bit for bit. A fixed shape does not promise it: a
-        kernel may take the last rows of a panel with other code (MKL's float32 kernel for AVX2
-        does, for rows 30 and 31 of 32). With ``rows``, a product of that many rows must also
-        give each of them the bits of a whole tile's row: a kernel may take small products with
-        other code (MKL's float32 kernels do, for some sizes and shapes)."""
+        """Whether one input row copied into every row of a tile gives the same bits in each; with
+        ``rows``, a product of that many rows too (MKL takes some small products otherwise)."""
         x = torch.randn(1, self.shape[1], generator=torch.Generator().manual_seed(0))
         x = x.to(self.device, self.dtype)
         y = self._product(x.expand(self.tile, -1).contiguous(), None)
@@ -412,8 +377,7 @@ class RowTiles(PackedWeight):
 
 
 def pack_reference(codes: Codes, dtype: torch.dtype, device: torch.device | str) -> PackedWeight:
-    """Codes in the layout of PyTorch's weight-only kernel for ``device`` (the reference layout);
-    a ValueError names what cannot run."""
+    """Codes in PyTorch's weight-only layout for ``device``; a ValueError names what cannot run."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"weight-only int8/int4 kernels exist for cpu and cuda, not {device}")

@@ -1,28 +1,22 @@
 """Compiled decode steps kept on disk: compile once per machine, load in a fraction of a second.
 
 ``torch.compile`` compiles in the process that runs: every start pays for tracing the step (and,
-on a cold cache, for inductor's code generation), which on a small CPU is a minute or more.
-AOTInductor compiles ahead of time instead: ``torch.export`` traces the step once into a graph,
-inductor turns the graph into a shared library, and AOTInductor's loader opens that library in
-any later process (:class:`Package`). Here the package holds code only: the weights stay the
-model's own tensors, handed to the loaded step by name (``load_constants(..., user_managed=True)``),
-so loading a compiled step adds no copy of the model.
+on a cold cache, for code generation), a minute or more on a small CPU. AOTInductor compiles
+ahead of time: ``torch.export`` traces the step once, inductor turns the graph into a shared
+library, and any later process opens it (:class:`Package`). The package holds code only: the
+weights stay the model's tensors, handed over by name (``user_managed=True``), so loading a
+step adds no copy of the model.
 
-A step whose weights are all bfloat16 matrices on the CPU is the exception: its package is
-*frozen* (:func:`freezes`), as the in-memory step is (:mod:`llmlib.runtime.compile`). Freezing
-lets inductor re-store each matrix in oneDNN's blocked layout and pick its own GEMM kernels, so
-the package then holds its own copy of the weights, as a frozen graph in memory does. Integer
-matrices are read by llmlib's own kernels as they are: a quantized model's package stays code only.
+A step whose weights are all bfloat16 CPU matrices is *frozen* (:func:`freezes`), as the
+in-memory step is (:mod:`llmlib.runtime.compile`): inductor re-stores each matrix in oneDNN's
+layout, so the package holds its own copy. Integer matrices are read by llmlib's kernels as
+they are: a quantized model's package stays code only.
 
-A package is found again by its key (:func:`step_key`): the model file's SHA-256 (computed once
-per file and remembered beside the cache), how the weights are stored here
-(``model.weight_format``), the step's kind, torch's and llmlib's versions, and the CPU's choices
-(:class:`llmlib.kernels.flags.Flags`: the kernels a graph calls are part of its code). A model
-that was built rather than loaded from a file has no key: it compiles in memory
+A package is found by its key (:func:`step_key`): the model file's SHA-256 (remembered beside
+the cache), ``model.weight_format``, the step's kind, torch's and llmlib's versions, and the
+CPU's choices (:class:`llmlib.kernels.flags.Flags`: the kernels a graph calls are part of its
+code). A model not loaded from a file has no key: it compiles in memory
 (:func:`llmlib.runtime.compile.compile_step`).
-
-The step kept this way is the engine's fixed-shape step (:mod:`llmlib.engine.fixed_step`), for
-one request and for a batch alike.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ def file_digest(path: Path) -> str:
 
 
 def step_key(model: nn.Module, kind: str) -> str | None:
-    """The name of ``model``'s compiled ``kind`` step on disk; None for a model not loaded from a
-    file (nothing to find it by in a later process)."""
+    """The name of ``model``'s compiled ``kind`` step on disk; None for a model not from a file."""
     import llmlib
     from llmlib.kernels.flags import flags
 
@@ -92,10 +85,9 @@ def load_kernels() -> None:
 
 
 def freezes(model: nn.Module) -> bool:
-    """Whether ``model``'s compiled steps are frozen, their weights constants of the package: on
-    the CPU, where every matrix is dense bfloat16 (plain, widened for prompts only, or oneDNN's
-    layout, which the graph's view of the model turns back into plain,
-    :func:`llmlib.runtime.compile.graph_view`)."""
+    """Whether ``model``'s compiled steps are frozen, their weights the package's constants: on
+    the CPU, where every matrix is dense bfloat16 (oneDNN's layout included, which the graph's
+    view turns plain: :func:`llmlib.runtime.compile.graph_view`)."""
     from llmlib.kernels.bfloat16 import Bfloat16Weight
     from llmlib.kernels.onednn import OneDNNWeight
     from llmlib.kernels.prepare import weight_matrices
@@ -110,12 +102,9 @@ def freezes(model: nn.Module) -> bool:
 
 
 class Package:
-    """A compiled step loaded from its ``.pt2`` file by AOTInductor's C++ loader, called directly.
-
-    ``torch._inductor.aoti_load_package`` does the same after importing inductor and dynamo and
-    probing the machine, over a second of every start; a package in this cache was compiled on
-    this machine (its key names the CPU's flags), so there is nothing to check. The step's inputs
-    and output are plain tensors: they pass as a list, with no tree to flatten."""
+    """A compiled step's ``.pt2`` file opened by AOTInductor's C++ loader, called directly.
+    ``aoti_load_package`` also imports inductor and dynamo and probes the machine, over a second
+    of every start; a package here was compiled on this machine (its key names the CPU's flags)."""
 
     def __init__(self, path: Path) -> None:
         from torch.utils import _pytree
@@ -151,11 +140,10 @@ def load_step(
     compile: Callable[[Path], None],
     log: Callable[[str], None] | None = None,
 ):
-    """``wrapper``'s package for ``model`` loaded from disk, compiled first by ``compile(path)``
-    if there is none: ``(loaded, cached)``, or ``(None, False)`` where the model has no key or the
-    step cannot be compiled ahead of time here (the caller then compiles in memory). The loaded
-    step reads the model's own tensors (``user_managed``): no copy of the weights, except in a
-    frozen package (:func:`freezes`), which holds its own."""
+    """``wrapper``'s package for ``model``, compiled first by ``compile(path)`` if there is none:
+    ``(loaded, cached)``, or ``(None, False)`` where the model has no key or the step cannot be
+    compiled ahead of time here (the caller compiles in memory). It reads the model's own
+    tensors, except a frozen package (:func:`freezes`)."""
     frozen = freezes(model)
     if frozen:  # the graph sees plain matrices (a graph view), and re-stores them itself
         kind += "-frozen"
@@ -194,10 +182,9 @@ def load_step(
 
 
 def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str) -> None:
-    """Trace ``wrapper`` with ``torch.export`` and compile it into a package at ``path``
-    (written beside and renamed, so a crash never leaves half a package to be found): code only,
-    or, for a frozen step (:func:`freezes`), with the in-memory step's inductor options and the
-    constants it makes of the weights."""
+    """Trace ``wrapper`` with ``torch.export`` and compile it into a package at ``path`` (written
+    beside and renamed, so a crash never leaves half a package): code only, or for a frozen step
+    (:func:`freezes`) with the in-memory step's inductor options and its weights as constants."""
     from llmlib.runtime.compile import compile_options, prepare_inductor
 
     prepare_inductor()
@@ -222,9 +209,7 @@ def export_and_package(wrapper, model, args, shapes, path: Path, log, what: str)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
         torch._inductor.aoti_compile_and_package(
-            ep,
-            package_path=str(tmp),
-            inductor_configs=configs,
+            ep, package_path=str(tmp), inductor_configs=configs
         )
     tmp.replace(path)
     _remember_time(model, what, time.perf_counter() - t0)
@@ -249,8 +234,7 @@ def _remember_time(model: nn.Module, what: str, seconds: float) -> None:
 
 
 def expected(model: nn.Module, what: str) -> str:
-    """What the compile is expected to take here: the last one's time for this step and format,
-    else a rough figure."""
+    """The compile's expected time: the last one's for this step and format, else a rough figure."""
     try:
         known = json.loads(_times().read_text())
         s = known.get(f"{what}: {getattr(model, 'weight_format', '')}")

@@ -10,12 +10,8 @@ A graph replays exactly the recorded kernels on exactly the recorded memory. So 
 a fixed shape and every input a fixed address: the step object holds its input buffers, a new
 step's values are copied into them before each replay, and one graph is captured per shape (a
 smaller step is padded up to the next captured one). :class:`StepGraphs` is that machinery, for
-the engine's fixed-shape steps over the paged pool (:class:`llmlib.engine.fixed_step.FixedSteps`),
-which serve one request as they serve a batch.
-
-Off CUDA there is nothing to capture: the same fixed-shape steps run as they are (eagerly, or
-through a ``torch.compile`` graph, :mod:`llmlib.runtime.compile`), which is what the CPU tests
-exercise.
+the engine's fixed-shape steps (:class:`llmlib.engine.fixed_step.FixedSteps`). Off CUDA the same
+steps run as they are (eagerly, or through :mod:`llmlib.runtime.compile`).
 
 A graph also replays without the host. A step that reads a value back (``.item()``,
 ``.tolist()``, ``nonzero``) or copies from host memory would replay its first step's answer
@@ -59,17 +55,15 @@ def _boolean_index(indices: Any) -> bool:
 
 
 class HostSyncError(RuntimeError):
-    """A step that a CUDA graph would capture reads a value back to the host, moves data
-    between host and device, or mixes a host tensor into the device's work."""
+    """A step a CUDA graph would capture reads back to the host, or moves or mixes in host data."""
 
 
 class HostSyncCheck(TorchDispatchMode):
-    """While active, any operator that would make the host wait for the device, or that moves
-    a tensor between host and device, raises :class:`HostSyncError` naming it: the operators of
-    :data:`HOST_READS`, a copy between the CPU and another device, and a CPU tensor (even one
-    number) handed to an operator on another device's tensors, which a graph would read once,
-    at capture. Any device counts, the meta device included, so the CPU tests can trace the
-    CUDA steps under it. A step on the CPU alone may read the host freely."""
+    """While active, an operator that would make the host wait for the device or move a tensor
+    between them raises :class:`HostSyncError` naming it: :data:`HOST_READS`, a copy between the
+    CPU and another device, or a CPU tensor (even one number) handed to an operator on another
+    device's, which a graph would read once, at capture. The meta device counts, so the CPU
+    tests can trace the CUDA steps under it; a step on the CPU alone may read the host freely."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -94,12 +88,10 @@ class HostSyncCheck(TorchDispatchMode):
 
 class StepGraphs:
     """One fixed-shape step per key, each run as it is or replayed from its CUDA graph.
-
     ``make_step(key)`` builds a step (an object holding its input buffers); ``forward(step)``
-    runs the model on it and returns its output. With ``enabled`` (CUDA) each step is warmed up
-    ``warmup`` times on a side stream (lazy initialisation, cuBLAS handles and autotuning must not
-    happen inside a capture), then captured; every graph shares one memory pool.
-    """
+    runs the model on it. With ``enabled`` (CUDA) each step is warmed up ``warmup`` times on a
+    side stream (lazy initialisation, cuBLAS handles and autotuning must not happen inside a
+    capture), then captured; every graph shares one memory pool."""
 
     def __init__(
         self,
@@ -149,8 +141,7 @@ class StepGraphs:
         return graph, out
 
     def capture(self, keys: Iterable[Hashable]) -> int:
-        """Build every step of ``keys`` ahead of time (largest first, so the shared pool fits
-        them all); how many exist."""
+        """Build ``keys``' steps now (largest first, so one pool fits all); how many exist."""
         for key in keys:
             self.entry(key)
         if self.enabled:
