@@ -7,9 +7,10 @@ compiled). Then the two workers take turns, one greedy request of ``--new-tokens
 times: the machine's drift (it moves by 10-20% over minutes here) falls on both sides alike, where
 a run of one checkout after the other would measure the drift. Each request is timed by the wall
 clock from its first token to the call's return, the loop's own bookkeeping included, as a user
-waits for it. Reported per format: the median
-decode tokens/s of each side, the median of the per-pair ratios (after over before), and the
-share of pairs the after side won.
+waits for it. The workers start one after the other: a step compiled at start is tuned by timing
+its kernels (``max_autotune``), and two compiles at once would tune each under the other's load.
+Reported per format: the median decode tokens/s of each side, the median of the per-pair ratios
+(after over before), and the share of pairs the after side won.
 
 ``--batching`` also runs ``llmlib bench batching`` (the default format) in each checkout, in turn,
 ``--rounds`` times.
@@ -117,8 +118,12 @@ def main() -> None:
         "formats": {},
     }
     for name in args.formats.split(","):
-        workers = {s: _worker(t, name, args.threads, args.new_tokens) for s, t in sides.items()}
-        paths = {s: w.stdout.readline().strip().removeprefix("ready ") for s, w in workers.items()}
+        # one side at a time up to "ready": a step compiled now is tuned by timing its kernels,
+        # and two compiles at once would tune each under the other's load
+        workers, paths = {}, {}
+        for s, t in sides.items():
+            workers[s] = _worker(t, name, args.threads, args.new_tokens)
+            paths[s] = workers[s].stdout.readline().strip().removeprefix("ready ")
         secs: dict[str, list[float]] = {s: [] for s in sides}
         for i in range(args.pairs):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # who goes first alternates
