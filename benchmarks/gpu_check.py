@@ -16,7 +16,7 @@ budget is an estimate from the sections' sizes, and the first lent run is its ch
 Sections (each writes the JSON file again when it finishes, so a run cut short keeps what it did,
 then frees its models, gc.collect and the CUDA cache, before the next sizes its memory):
 
-1. ``tests``: pytest on the test files that hold a ``gpu`` test (test_gpu.py, test_paged_triton.py)
+1. ``tests``: pytest on the test files that hold a ``gpu`` test (test_gpu.py, test_paged_*.py)
    and the CUDA steps' meta-device traces (test_cuda_trace.py): only files that import nothing the
    image lacks.
 2. ``copy_bandwidth``: a large device-to-device copy, the practical ceiling for decode.

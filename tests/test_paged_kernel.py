@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmlib.config import ModelConfig
 from llmlib.engine import paged_cache
 from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.kernels import paged_attention as paged_kernel
@@ -114,15 +115,35 @@ def test_paged_step_same_with_and_without_kernel(window) -> None:
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 
 
-@needs_kernel
-def test_engine_tokens_unchanged_by_the_kernel(monkeypatch) -> None:
-    from test_gguf import TINY
+#: a small model whose next tokens are peaked (random weights, std 0.3): greedy runs agree exactly
+TINY = ModelConfig(
+    name="tiny", vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+    max_seq_len=256, rope_theta=50_000.0, norm_eps=1e-6, tie_embeddings=False, bos_token_id=1,
+    eos_token_ids=(2,),
+)  # fmt: skip
 
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=needs_kernel),
+        pytest.param(  # the Triton kernels (tests/test_paged_triton.py) on a GPU
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_engine_tokens_unchanged_by_the_kernel(device, monkeypatch) -> None:
+    """The engine's greedy tokens with the paged kernel serving its pool equal the gather
+    path's: the C++ kernel on a CPU, the Triton kernels on a GPU."""
     from llmlib.engine import LLM
     from llmlib.model import random_model
     from llmlib.sampling import SamplingParams
 
-    model = random_model(TINY, "cpu", torch.float32, seed=3, std=0.3)  # peaked next tokens
+    model = random_model(TINY, device, torch.float32, seed=3, std=0.3)
     prompts = [[5 + (i * 7 + j) % 50 for j in range(4 + 9 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -407,28 +407,6 @@ def test_a_decode_step_on_cuda_copies_no_cache() -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_engine_tokens_on_cuda_unchanged_by_the_kernels(monkeypatch) -> None:
-    from test_gguf import TINY
-
-    from llmlib.engine import LLM, paged_cache
-    from llmlib.model import random_model
-    from llmlib.sampling import SamplingParams
-
-    model = random_model(TINY, "cuda", torch.float32, seed=3, std=0.3)
-    prompts = [[5 + (i * 7 + j) % 50 for j in range(4 + 9 * i)] for i in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-    def run() -> list[list[int]]:
-        llm = LLM(model, None, block_size=8, max_num_seqs=8)
-        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    fast = run()
-    monkeypatch.setattr(paged_cache, "serves_pool", lambda pool: False)
-    assert run() == fast
-
-
-@pytest.mark.gpu
-@gpu
 def test_torch_compile_on_cuda_runs_the_kernels() -> None:
     k, v, table, lens = _pool([5, 40, 77], 2, 64, 16, torch.bfloat16, "cuda")
     q = torch.randn(3, 8, 64, device="cuda", dtype=torch.bfloat16)
