@@ -57,9 +57,10 @@ class GroupCodes:
     """Codes ``q [N, K]`` (uint8, ``0 .. 2**bits - 1``) and per-group float32 ``scale``/``zero``
     ``[N, K/g]``: ``w[n, k] = (q[n, k] - 2**(bits-1)) * scale[n, k // g] + zero[n, k // g]``.
 
-    ``bits=4`` is the int4 layout (``q - 8``); ``bits=8`` holds 8-bit codes with a scale and an
-    offset per group, which is what most of a GGUF file's block types are once their constants
-    are multiplied out (:mod:`llmlib.checkpoints.repack`).
+    ``bits=4`` is the int4 layout (``q - 8``); ``bits=6`` (``q - 32``) and ``bits=8``
+    (``q - 128``) hold codes with a scale and an offset per group, which is what a GGUF file's
+    other block types are once their constants are multiplied out
+    (:mod:`llmlib.checkpoints.repack`): Q8_0 in eight bits, the rest in six.
 
     ``unit`` and ``steps`` (optional, together) say how the scales were made: a GGUF k-quant
     block of 256 weights has one float16 ``d`` (``unit``, float32 ``[N, K/256]``) and a small
@@ -85,7 +86,7 @@ class GroupCodes:
 
     @property
     def offset(self) -> int:
-        """What a code's value is measured from: 8 for 4-bit codes, 128 for 8-bit ones."""
+        """What a code's value is measured from: 8 for 4-bit codes, 32 for 6-bit, 128 for 8-bit."""
         return 1 << (self.bits - 1)
 
     def dequantize(self) -> torch.Tensor:

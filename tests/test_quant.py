@@ -33,8 +33,8 @@ F16_AT = {
     T.Q6_K: (208,),
 }
 #: (code bits, group size) that repack gives each block type
-KINDS = {T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q8_0: (8, 32), T.Q5_0: (8, 32)}
-KINDS |= {T.Q5_1: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (8, 16), T.Q3_K: (8, 16), T.Q2_K: (8, 16)}
+KINDS = {T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q8_0: (8, 32), T.Q5_0: (6, 32)}
+KINDS |= {T.Q5_1: (6, 32), T.Q5_K: (6, 32), T.Q6_K: (6, 16), T.Q3_K: (6, 16), T.Q2_K: (6, 16)}
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -261,8 +261,8 @@ def _blocks(types: dict[str, T], cols: int = 512, rows: int = 64) -> dict:
 
 
 def test_mixed_fused_projections_fuse_exactly() -> None:
-    """A Q4_K_M layer: q/k in Q4_K, v in Q6_K -> one 8-bit, group-16 qkv matrix whose every
-    value is its part's own; gate Q4_K + up Q5_0 -> 8-bit, group 32; a float part -> dense."""
+    """A Q4_K_M layer: q/k in Q4_K, v in Q6_K -> one 6-bit, group-16 qkv matrix whose every
+    value is its part's own; gate Q4_K + up Q5_0 -> 6-bit, group 32; a float part -> dense."""
     layer = {
         "layers.0.attn.wq.weight": T.Q4_K,
         "layers.0.attn.wk.weight": T.Q4_K,
@@ -281,7 +281,7 @@ def test_mixed_fused_projections_fuse_exactly() -> None:
     codes = model_codes(mods, blocks)
     assert set(codes) == set(mods) - {"layers.1.attn.wqkv"}  # the float part: stays dense
     kinds = {m: (c.bits, c.group_size) for m, c in codes.items()}
-    assert kinds == {mods[0]: (8, 16), mods[1]: (8, 32), mods[2]: (8, 16)}
+    assert kinds == {mods[0]: (6, 16), mods[1]: (6, 32), mods[2]: (6, 16)}
     for mod, parts in [(mods[0], ("wq", "wk", "wv")), (mods[1], ("w_gate", "w_up"))]:
         sub = "attn" if "attn" in mod else "ffn"
         own = [block_codes(*blocks[f"layers.0.{sub}.{p}.weight"]) for p in parts]
@@ -297,8 +297,8 @@ def test_fuse_widens_codes_by_the_offsets() -> None:
     a = block_codes(*_blocks({"a": T.Q4_K}, rows=2)["a"])
     b = block_codes(*_blocks({"b": T.Q3_K}, rows=2)["b"])
     f = fuse([a, b])
-    assert (f.bits, f.group_size) == (8, 16)
-    assert torch.equal(f.q[:2], a.q + 120)  # 4-bit code c: c - 8 == (c + 120) - 128
+    assert (f.bits, f.group_size) == (6, 16)
+    assert torch.equal(f.q[:2], a.q + 24)  # 4-bit code c: c - 8 == (c + 24) - 32
     assert torch.equal(f.scale[:2, ::2], a.scale) and torch.equal(f.scale[:2, 1::2], a.scale)
     assert torch.equal(f.zero[:2], a.zero.repeat_interleave(2, dim=1))
     assert fuse([a]) is a

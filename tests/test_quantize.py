@@ -111,7 +111,7 @@ BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_gguf_blocks_repack_exactly(tmp_path: Path, qtype: T) -> None:
     """A file's blocks, read by the loader (q/k rows un-permuted), give codes whose values are the
-    file's: bit for bit for the 8-bit codes and Q4_0; for Q4_1/Q4_K (4-bit codes with a
+    file's: bit for bit for the 6- and 8-bit codes and Q4_0; for Q4_1/Q4_K (4-bit codes with a
     minimum) up to the float32 rounding of the zero point ``8 s - m`` (see test_quant). Only the
     constants' dtype rounds more."""
     cfg = WIDE if qtype.name.endswith("_K") else TINY
@@ -121,7 +121,8 @@ def test_gguf_blocks_repack_exactly(tmp_path: Path, qtype: T) -> None:
     assert blocks and all(kind == qtype.name for kind, _ in blocks.values())
     for name, (kind, raw) in blocks.items():
         c = block_codes(kind, raw, name)
-        assert c.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+        four = qtype in (T.Q4_0, T.Q4_1, T.Q4_K)
+        assert c.bits == (4 if four else 8 if qtype == T.Q8_0 else 6)
         if qtype in (T.Q4_1, T.Q4_K):
             assert torch.allclose(c.dequantize(), state[name], rtol=0, atol=1e-6), name
         else:
@@ -140,7 +141,7 @@ Q4_K_M = {
 
 
 def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
-    """q/k in Q4_K with v in Q6_K fuse into one exact 8-bit matrix in groups of 16; gate/up (both
+    """q/k in Q4_K with v in Q6_K fuse into one exact 6-bit matrix in groups of 16; gate/up (both
     Q4_K) stay 4-bit codes for the int4 kernels. Loading the file with quantization="gguf"
     packs those; under PyTorch's kernels (integer products off) the 8-bit ones stay dense, with
     the file's values: the model computes what the float32 reading of the file computes."""
@@ -152,9 +153,9 @@ def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
     ref = llmlib.load_model(path, "cpu", torch.float32)
     codes = model_codes(list(weight_matrices(ref)), blocks)
     kinds = {name: (c.bits, c.group_size) for name, c in codes.items()}
-    assert kinds["layers.0.attn.wqkv"] == (8, 16) and kinds["layers.1.ffn.w_down"] == (8, 16)
+    assert kinds["layers.0.attn.wqkv"] == (6, 16) and kinds["layers.1.ffn.w_down"] == (6, 16)
     assert kinds["layers.0.ffn.w_gate_up"] == (4, 32) and kinds["layers.0.attn.wo"] == (4, 32)
-    assert kinds["lm_head"] == (8, 16) and "embed" not in kinds  # untied: a table, not a product
+    assert kinds["lm_head"] == (6, 16) and "embed" not in kinds  # untied: a table, not a product
     for name, c in codes.items():
         w = ref.get_submodule(name).weight.dequantize()
         assert torch.allclose(c.dequantize(), w, rtol=0, atol=1e-6), name

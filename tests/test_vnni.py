@@ -191,6 +191,84 @@ def test_int8_group_kernel_is_its_arithmetic(group, dtype, offsets, units) -> No
     assert torch.equal(w.dequantize(), codes.dequantize().to(dtype))
 
 
+def _codes6(n: int, k: int, group: int, seed: int = 0, offsets: bool = False, units: bool = True):
+    """6-bit codes in groups (``q`` in -32..31, stored plus 32): a Q6_K matrix's once repacked,
+    with its factored scales (``units``) and no offsets."""
+    c = _codes8(n, k, group, seed=seed, offsets=offsets, units=units)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randint(0, 64, (n, k), generator=gen).to(torch.uint8)
+    return GroupCodes(q, c.scale, c.zero, group, 6, c.unit, c.steps)
+
+
+def test_int6_tiles_read_back_to_the_codes() -> None:
+    codes = _codes6(128, 512, 16)
+    w = vnni.pack_int6(codes.q)
+    assert w.shape == (2, 512 * 48) and w.dtype == torch.uint8  # six bits a weight
+    ids = torch.tensor([[0, 1, 17], [63, 64, 127]])
+    assert torch.equal(vnni.unpack_int6(w, 512, ids), codes.q[ids])
+    wide = vnni.eight_bit(codes)
+    assert wide.bits == 8 and torch.equal(wide.dequantize(), codes.dequantize())
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "group, dtype, offsets, units",
+    [
+        (16, torch.float32, False, True),  # Q6_K
+        (16, torch.bfloat16, False, True),
+        (32, torch.float32, False, False),  # Q5_0
+        (16, torch.float32, True, False),
+        (64, torch.bfloat16, True, True),
+    ],
+)
+def test_int6_group_kernel_is_its_arithmetic(group, dtype, offsets, units) -> None:
+    """The 6-bit layout multiplies exactly what the 8-bit one does with the same codes: the same
+    integer sums (each less its offset times the activations' sum), so the same floats."""
+    n, k, rows = 192, 512, 5
+    codes = _codes6(n, k, group, seed=group, offsets=offsets, units=units)
+    w6 = vnni.VnniInt6Weight(codes, dtype)
+    w8 = vnni.VnniInt8GroupWeight(codes, dtype)
+    assert w6.w.numel() * 4 == w8.w.numel() * 3 and w6.has_offsets == offsets
+    assert w6.d.dtype == w8.d.dtype and w6.m.dtype == w8.m.dtype
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = w6.linear(x)
+    assert got.dtype == dtype and torch.equal(got, w8.linear(x))
+    xq, dx = _round_rows(x)
+    wq = codes.dequantize().double()
+    want = torch.einsum(
+        "mbi,nbi,mb->mn", xq.double().view(rows, -1, 32), wq.view(n, -1, 32), dx.double()
+    )
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    ids = torch.tensor([[0, 77], [191, 64]])
+    assert torch.equal(w6.rows(ids), codes.dequantize()[ids].to(dtype))
+    for i in range(rows):  # a row's result does not depend on its batch
+        assert torch.equal(w6.linear(x[i : i + 1])[0], got[i])
+
+
+@needs_kernels
+def test_a_q6_k_matrix_is_held_in_its_own_bytes() -> None:
+    """A Q6_K matrix from a file's bytes: packed six bits a weight (the file's 210 bytes per 256
+    weights, within 1%), and its weights the ``gguf`` package's decoding of those bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+    from kquant_blocks import encode
+
+    from llmlib.checkpoints.repack import block_codes
+
+    x = torch.randn(128, 512, generator=torch.Generator().manual_seed(3)).numpy()
+    raw = encode(x, "Q6_K")
+    codes = block_codes("Q6_K", torch.from_numpy(raw), "blk.0.ffn_down.weight")
+    w = vnni.pack(codes, torch.float32)
+    assert isinstance(w, vnni.VnniInt6Weight) and w.label.startswith("int6 g16 ")
+    ref = torch.from_numpy(dequantize(raw, T.Q6_K).astype(np.float32))
+    assert torch.equal(w.dequantize(), ref)
+    assert w.nbytes <= 1.01 * raw.nbytes  # six bits, an int8 per 16 and a float32 per 256
+    with forced(six_bit=False):
+        assert isinstance(vnni.pack(codes, torch.float32), vnni.VnniInt8GroupWeight)
+
+
 @needs_kernels
 def test_8_bit_group_codes_pack_for_the_kernel() -> None:
     for group in (32, 16):
@@ -324,4 +402,4 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith("16 passed") and "skipped" not in last, run.stdout[-2000:]
+    assert last.startswith("21 passed") and "skipped" not in last, run.stdout[-2000:]

@@ -12,16 +12,20 @@ Q4_0    4      32     ``c = q + 8`` (the stored nibble), ``s = d``, ``z = 0``
 Q4_1    4      32     ``c = q``, ``s = d``, ``z = m + 8 d``
 Q4_K    4      32     ``c = q``, ``s = d * s_j``, ``z = 8 s - dmin * m_j``
 Q8_0    8      32     ``c = q + 128``, ``s = d``, ``z = 0``
-Q5_0    8      32     ``c = q + 128`` (``q = q5 - 16``), ``s = d``, ``z = 0``
-Q5_1    8      32     ``c = q + 128``, ``s = d``, ``z = m``
-Q5_K    8      32     ``c = q + 128``, ``s = d * s_j``, ``z = -dmin * m_j``
-Q6_K    8      16     ``c = q + 128`` (``q = q6 - 32``), ``s = d * s_j``, ``z = 0``
-Q3_K    8      16     ``c = q + 128`` (``q = q3 - 4``), ``s = d * (s_j - 32)``, ``z = 0``
-Q2_K    8      16     ``c = q + 128``, ``s = d * s_j``, ``z = -dmin * m_j``
+Q5_0    6      32     ``c = q + 32`` (``q = q5 - 16``), ``s = d``, ``z = 0``
+Q5_1    6      32     ``c = q + 32``, ``s = d``, ``z = m``
+Q5_K    6      32     ``c = q + 32``, ``s = d * s_j``, ``z = -dmin * m_j``
+Q6_K    6      16     ``c = q + 32`` (``q = q6 - 32``, so ``c`` is the stored q6), ``s = d * s_j``,
+                      ``z = 0``
+Q3_K    6      16     ``c = q + 32`` (``q = q3 - 4``), ``s = d * (s_j - 32)``, ``z = 0``
+Q2_K    6      16     ``c = q + 32``, ``s = d * s_j``, ``z = -dmin * m_j``
 ======  =====  =====  ==========================================================================
 
-The codes are the file's integers, exactly. The 8-bit rows compute ``(c - 128) * s + z``, which is
-``q * s + z``, the reference's own arithmetic: bit for bit the file's values. The 4-bit rows with
+The codes are the file's integers, exactly. Every type but Q8_0 has codes of at most six bits
+(``q`` in -32..31), and keeps them in six: the kernels then read Q6_K in the file's own bytes
+(:class:`llmlib.kernels.integer.VnniInt6Weight`). The 6- and 8-bit rows compute
+``(c - 32) * s + z`` and ``(c - 128) * s + z``, which is ``q * s + z``, the reference's own
+arithmetic: bit for bit the file's values. The 4-bit rows with
 a minimum (Q4_1, Q4_K) compute ``(q - 8) * s + (8 s - m')`` where the file computes
 ``q * s - m'``. The products are exact (``s`` has at most 17 significant bits, ``q - 8`` four), so
 the results agree bit for bit whenever the zero point ``8 s - m'`` is exact in float32, which it
@@ -32,8 +36,8 @@ zero). Float types (F32, F16, BF16) have no codes: the loader keeps those matric
 
 A fused projection (q/k/v, gate/up) is the row-wise concatenation of its parts, and a Q4_K_M file
 mixes types inside one: ``attn_q``/``attn_k`` in Q4_K, ``attn_v`` in Q6_K. :func:`fuse` brings
-the parts to the widest kind exactly: a 4-bit code becomes an 8-bit one by adding 120 (``c - 8 =
-(c + 120) - 128``), and a group of 32 becomes two groups of 16 with the same scale and zero.
+the parts to the widest kind exactly: a 4-bit code becomes a 6-bit one by adding 24 (``c - 8 =
+(c + 24) - 32``), and a group of 32 becomes two groups of 16 with the same scale and zero.
 
 What can round is where a kernel keeps ``s`` and ``z``: in the activations' dtype. In float32
 they are exact; in bfloat16 each keeps 8 of its significant bits. :func:`repack_error` measures
@@ -48,8 +52,10 @@ import torch
 from llmlib.checkpoints.quant import BlockFormat, as_bytes, block_format, take_apart
 from llmlib.quantize import GroupCodes
 
-#: the block types whose codes are 4 bits (the int4 kernels' layout); every other one is 8 bits
+#: the block types whose codes are 4 bits (the int4 kernels' layout), and 8 bits; every other
+#: one's fit six
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+EIGHT_BIT = ("Q8_0",)
 
 
 def code_format(kind: str, name: str = "tensor") -> BlockFormat:
@@ -80,9 +86,14 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
         moved = 8 + parts.low  # what the kernel's "- 8" takes away that the file's q did not
         zero = shift + np.float32(moved) * parts.scale if moved else shift
         bits = 4
-    else:
+    elif kind in EIGHT_BIT:
         q = parts.q.view(np.uint8) ^ np.uint8(0x80)  # int8 q -> q + 128, in 0..255
         zero, bits = shift, 8
+    else:
+        q = (parts.q + np.int8(32)).view(np.uint8)  # q in -32..31 -> q + 32, in 0..63
+        if q.size and q.max() > 63:
+            raise ValueError(f"{name}: {kind} codes outside six bits (the reader is wrong)")
+        zero, bits = shift, 6
     k = width // fmt.block_bytes * fmt.block_size
     unit = steps = None
     if parts.unit is not None:  # k-quants: each block's float16 d times an integer per group
@@ -109,7 +120,7 @@ def widen(c: GroupCodes, bits: int, group_size: int) -> GroupCodes:
         )
     q, scale, zero, steps = c.q, c.scale, c.zero, c.steps
     if bits != c.bits:
-        q = q + ((1 << (bits - 1)) - c.offset)  # 4 -> 8 bits: + 120, so c - 8 = (c + 120) - 128
+        q = q + ((1 << (bits - 1)) - c.offset)  # 4 -> 6 bits: + 24, so c - 8 = (c + 24) - 32
     if group_size != c.group_size:
         r = c.group_size // group_size
         scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
@@ -143,7 +154,7 @@ def model_codes(modules: list[str], blocks: dict[str, tuple[str, torch.Tensor]])
     """``{module name: codes}`` for the modules whose every part the file stores in blocks.
 
     The parts of a fused projection that mix block types are fused exactly (:func:`fuse`: a
-    Q4_K + Q6_K projection becomes 8-bit codes in groups of 16); one with a float part stays
+    Q4_K + Q6_K projection becomes 6-bit codes in groups of 16); one with a float part stays
     dense.
     """
     out: dict[str, GroupCodes] = {}

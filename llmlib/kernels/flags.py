@@ -20,6 +20,8 @@ variable                    values                 what it decides (default)
                                                    several rows (no bfloat16 arithmetic: AVX2)
 ``LLMLIB_FUSED_NORM``       ``0``, ``1``           RMSNorm as one C++ pass per row (``1``)
 ``LLMLIB_PAGED_KERNEL``     ``0``, ``1``           llmlib's in-place decode attention (``1``)
+``LLMLIB_SIX_BIT``          ``0``, ``1``           codes that fit six bits (GGUF's Q6_K) kept in
+                                                   six, as the file holds them (``1``); ``0``: 8
 ``LLMLIB_ACTIVATIONS``      ``float32``,           the activations' dtype of int8/int4/gguf
                             ``bfloat16``           models (bfloat16 where the CPU multiplies it)
 ``LLMLIB_COMPILE``          ``0``, ``1``           ``LLM(path)`` and the CLI compile CPU decode
@@ -112,6 +114,7 @@ class Flags:
     bfloat16_widen: bool  # plain bfloat16 matrices multiply several rows in float32
     fused_norm: bool  # RMSNorm in C++ (needs the AVX-512 build)
     paged_kernel: bool  # decode attention by llmlib's kernel
+    six_bit: bool  # 8-bit group codes that fit six bits (Q6_K) kept in six by the integer kernels
     activations: str  # the dtype int8/int4/gguf models compute in: "float32" or "bfloat16"
     invariant_compile: bool  # the batch-invariant mode compiles by default, as the default does
     # ---- not about the CPU ----
@@ -144,7 +147,8 @@ class Flags:
             f"onednn_float32={int(self.onednn_float32)} "
             f"onednn_bfloat16={int(self.onednn_bfloat16)} "
             f"bfloat16_widen={int(self.bfloat16_widen)} fused_norm={int(self.fused_norm)} "
-            f"paged_kernel={int(self.paged_kernel)} activations={self.activations}"
+            f"paged_kernel={int(self.paged_kernel)} six_bit={int(self.six_bit)} "
+            f"activations={self.activations}"
         )
 
     def as_env(self) -> dict[str, str]:
@@ -158,6 +162,7 @@ class Flags:
             "LLMLIB_BFLOAT16_WIDEN": str(int(self.bfloat16_widen)),
             "LLMLIB_FUSED_NORM": str(int(self.fused_norm)),
             "LLMLIB_PAGED_KERNEL": str(int(self.paged_kernel)),
+            "LLMLIB_SIX_BIT": str(int(self.six_bit)),
             "LLMLIB_ACTIVATIONS": self.activations,
             "LLMLIB_INVARIANT_COMPILE": str(int(self.invariant_compile)),
         }
@@ -228,6 +233,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
     matvec = _switch(env, "LLMLIB_MATVEC")
     fused = _switch(env, "LLMLIB_FUSED_NORM")
     paged = _switch(env, "LLMLIB_PAGED_KERNEL")
+    six = _switch(env, "LLMLIB_SIX_BIT")
     onednn32 = _switch(env, "LLMLIB_ONEDNN_FLOAT32")
     onednn16 = _switch(env, "LLMLIB_ONEDNN_BFLOAT16")
     widen16 = _switch(env, "LLMLIB_BFLOAT16_WIDEN")
@@ -250,6 +256,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         bfloat16_widen=not native_bf16 if widen16 is None else widen16,
         fused_norm=(True if fused is None else fused) and isa == "avx512",
         paged_kernel=(True if paged is None else paged) and isa != "none",
+        six_bit=True if six is None else six,
         activations=acts or ("bfloat16" if native_bf16 else "float32"),
         invariant_compile="amx_bf16" in cflags if inv_compile is None else inv_compile,
         cache=Path(cache).expanduser(),

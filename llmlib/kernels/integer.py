@@ -80,13 +80,14 @@ def available() -> bool:
 
 def fits(shape: tuple[int, int], group_size: int | None = None, bits: int = 4) -> bool:
     """Whether a ``[out, in]`` matrix (and its group size, of ``bits``-bit codes) has a VNNI
-    layout: groups are multiples of 32, or 16 for 8-bit codes (two to an activation block)."""
+    layout: groups are multiples of 32, or 16 for 6- and 8-bit codes (two to an activation
+    block)."""
     n, k = shape
     if n % TILE or k % BLOCK:
         return False
     if group_size is None:
         return True
-    whole = group_size % BLOCK == 0 or (bits == 8 and group_size == BLOCK // 2)
+    whole = group_size % BLOCK == 0 or (bits in (6, 8) and group_size == BLOCK // 2)
     return group_size > 0 and whole and k % group_size == 0
 
 
@@ -101,6 +102,10 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
     @torch.library.register_fake("llmlib_vnni::int8g_linear")
+    def _(x, w, d, m, u, group):
+        return x.new_empty(x.shape[0], w.shape[0] * TILE)
+
+    @torch.library.register_fake("llmlib_vnni::int6_linear")
     def _(x, w, d, m, u, group):
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
@@ -146,6 +151,41 @@ def unpack_int4(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
     b = t[flat // TILE, :, (flat % TILE) // 16, flat % 16, :]  # [rows, pair, i]
     q = torch.stack([b & 0x0F, b >> 4], dim=2)  # [rows, pair, half, i]
     return q.reshape(*ids.shape, k)
+
+
+def eight_bit(codes: GroupCodes) -> GroupCodes:
+    """6-bit codes as 8-bit ones, the same weights: ``c - 32 == (c + 96) - 128``."""
+    if codes.bits != 6:
+        return codes
+    q = codes.q + 96
+    return GroupCodes(q, codes.scale, codes.zero, codes.group_size, 8, codes.unit, codes.steps)
+
+
+def pack_int6(c: torch.Tensor) -> torch.Tensor:
+    """6-bit codes ``[N, K]`` (0..63) -> tiles ``[N/64, K*48]``: per 16 columns, the low nibbles
+    of column quads 0-1 and 2-3 (each 4 x 64 bytes: low nibble quad 0 or 2, high nibble quad 1 or
+    3, 16 channels x 4 codes per 64 bytes) and then the top two bits of all four quads (4 x 64
+    bytes, quad ``g`` in bits ``2g``)."""
+    n, k = c.shape
+    t = c.to(torch.uint8).view(n // TILE, 4, 16, k // 16, 4, 4)  # tile, j, ch, s, quad, i
+    t = t.permute(0, 3, 4, 1, 2, 5)  # tile, s, quad, j, ch, i
+    lo, top = t & 0x0F, t >> 4
+    nibbles = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)  # tile, s, pair, j, ch, i
+    tops = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    per_s = torch.cat([nibbles.reshape(n // TILE, k // 16, 512), tops.reshape(n // TILE, k // 16, 256)], 2)
+    return per_s.reshape(n // TILE, k * TILE * 6 // 8)
+
+
+def unpack_int6(w: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """6-bit codes ``[*ids, K]`` of rows ``ids`` from :func:`pack_int6`'s tiles."""
+    t = w.view(-1, k // 16, 768)
+    flat = ids.reshape(-1)
+    tiles, j, ch = flat // TILE, (flat % TILE) // 16, flat % 16
+    nib = t[:, :, :512].view(-1, k // 16, 2, 4, 16, 4)[tiles, :, :, j, ch]  # rows, s, pair, i
+    top = t[:, :, 512:].view(-1, k // 16, 4, 16, 4)[tiles, :, j, ch]  # rows, s, i
+    lo = torch.stack([nib & 0x0F, nib >> 4], dim=3).flatten(2, 3)  # rows, s, quad, i
+    hi = torch.stack([(top >> (2 * g)) & 3 for g in range(4)], dim=2)  # rows, s, quad, i
+    return (lo | (hi << 4)).reshape(*ids.shape, k)
 
 
 def _tiles(c: torch.Tensor) -> torch.Tensor:
@@ -282,20 +322,23 @@ def _exact_half(c: torch.Tensor) -> bool:
 
 
 class VnniInt8GroupWeight(_VnniWeight):
-    """8-bit codes in groups (GGUF's Q8_0, Q5_0, Q5_1, Q6_K, ...) in int8's VNNI tiles,
+    """8-bit codes in groups (GGUF's Q8_0; 6-bit ones widened) in int8's VNNI tiles,
     ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``. Constants are float16
     where exact, else float32; a k-quant's scales stay factored (int8 ``d``, float32 ``u``)."""
 
     kind = "int8 group vnni"
 
     def __init__(self, codes: GroupCodes, dtype: torch.dtype) -> None:
-        if codes.bits != 8:
-            raise ValueError(f"{self.kind} holds 8-bit codes, got {codes.bits}-bit ones")
+        if codes.bits not in (6, 8):
+            raise ValueError(f"{self.kind} holds 6- or 8-bit codes, got {codes.bits}-bit ones")
         super().__init__(codes.shape)
+        self._store(eight_bit(codes), dtype)
+
+    def _store(self, codes: GroupCodes, dtype: torch.dtype) -> None:
         self.group_size = codes.group_size
         self.register_buffer("act", torch.empty(0, dtype=dtype))
-        self.register_buffer("w", pack_uint8(codes.q).contiguous())
-        # GroupCodes' convention is (q - 128) * scale + zero: d = scale, m = zero
+        self.register_buffer("w", self._pack(codes.q).contiguous())
+        # GroupCodes' convention is (q - offset) * scale + zero: d = scale, m = zero
         d, m = codes.scale.float(), codes.zero.float()
         ints = _factored(codes)
         if ints is not None:
@@ -310,6 +353,10 @@ class VnniInt8GroupWeight(_VnniWeight):
         offsets = _tiles(m.to(const)).contiguous() if m.any() else torch.empty(0, dtype=const)
         self.register_buffer("m", offsets)
         self.refresh()
+
+    @staticmethod
+    def _pack(q: torch.Tensor) -> torch.Tensor:
+        return pack_uint8(q)
 
     def refresh(self) -> None:
         """Whether any group has an offset (again, after :class:`llmlib.kernels.stream.Filled`)."""
@@ -330,6 +377,37 @@ class VnniInt8GroupWeight(_VnniWeight):
         return _group_rows(self, unpack_int8(self.w, self.shape[1], ids), ids)  # q: u - 128
 
 
+class VnniInt6Weight(VnniInt8GroupWeight):
+    """6-bit codes in groups (GGUF's Q6_K, Q5_x, Q3_K, Q2_K) in :func:`pack_int6`'s tiles, six
+    bits a weight as the file holds Q6_K, with the constants of :class:`VnniInt8GroupWeight`:
+    ``llmlib_vnni::int6_linear``."""
+
+    kind = "int6 group vnni"
+
+    def __init__(self, codes: GroupCodes, dtype: torch.dtype) -> None:
+        if codes.bits != 6:
+            raise ValueError(f"{self.kind} holds 6-bit codes, got {codes.bits}-bit ones")
+        _VnniWeight.__init__(self, codes.shape)
+        self._store(codes, dtype)
+
+    @staticmethod
+    def _pack(q: torch.Tensor) -> torch.Tensor:
+        return pack_int6(q)
+
+    @property
+    def label(self) -> str:
+        return f"int6 g{self.group_size} {_build_name()}"
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmlib_vnni.int6_linear(
+            x, self.w, self.d, self.m, self.u, self.group_size
+        )
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = unpack_int6(self.w, self.shape[1], ids).to(torch.int16) - 32  # q: c6 - 32
+        return _group_rows(self, q, ids)
+
+
 def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight | None:
     """``codes`` in this layout for ``dtype`` activations where it runs and fits; else None."""
     if not available():
@@ -338,6 +416,9 @@ def pack(codes: ChannelCodes | GroupCodes, dtype: torch.dtype) -> PackedWeight |
         return VnniInt8Weight(codes, dtype) if fits(codes.shape) else None
     if codes.bits == 4 and fits(codes.shape, codes.group_size):
         return VnniInt4Weight(codes, dtype)
+    if codes.bits == 6 and fits(codes.shape, codes.group_size, bits=6):
+        six = flags().six_bit and (codes.group_size == 16 or codes.group_size % BLOCK == 0)
+        return VnniInt6Weight(codes, dtype) if six else VnniInt8GroupWeight(codes, dtype)
     if codes.bits == 8 and fits(codes.shape, codes.group_size, bits=8):
         return VnniInt8GroupWeight(codes, dtype)
     return None

@@ -118,7 +118,7 @@ def _packs_whole(part: Codes, shape: tuple[int, int], fmt: Any) -> bool:
         return False
     if isinstance(part, ChannelCodes):
         return integer.fits(shape)
-    return part.bits in (4, 8) and integer.fits(shape, part.group_size, bits=part.bits)
+    return part.bits in (4, 6, 8) and integer.fits(shape, part.group_size, bits=part.bits)
 
 
 #: bytes of matrices handled between two trims: a trim costs more than a small matrix's own

@@ -27,6 +27,9 @@
 //         A k-quant's d is a float16 per 256 weights times a small integer per group; kept as
 //         that integer (int8) and the float per 256 apart, d costs 1.25 bytes per group instead
 //         of a float32's 4 (the product does not fit a float16).
+//   int6 in groups (Q6_K, and any 8-bit group codes in -32..31): the same constants, the codes
+//         c = q + 32 in 0..63 kept in six bits, as the file keeps Q6_K: per 16 columns, two
+//         int4-style nibble planes and one plane of the top two bits of four column quads.
 //
 // Python (llmlib/vnni.py) packs the weights; tests/test_vnni.py checks each product against the
 // same arithmetic in float64.
@@ -88,6 +91,21 @@ inline void nibbles(I16 raw, I16& lo, I16& hi) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   lo = {_mm512_and_si512(raw.v, low)};
   hi = {_mm512_and_si512(_mm512_srli_epi16(raw.v, 4), low)};
+}
+// 6-bit codes of four column quads: the low nibbles of quads 0-1 (l01) and 2-3 (l23), the
+// top two bits of all four in one byte (h, quad i in bits 2i..2i+1)
+inline void sixes(I16 l01, I16 l23, I16 h, I16 (&q)[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  q[0] = {_mm512_or_si512(_mm512_and_si512(l01.v, low), _mm512_and_si512(_mm512_slli_epi16(h.v, 4), top))};
+  q[1] = {_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l01.v, 4), low),
+                          _mm512_and_si512(_mm512_slli_epi16(h.v, 2), top))};
+  q[2] = {_mm512_or_si512(_mm512_and_si512(l23.v, low), _mm512_and_si512(h.v, top))};
+  q[3] = {_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l23.v, 4), low),
+                          _mm512_and_si512(_mm512_srli_epi16(h.v, 2), top))};
+}
+// the int32 sums less `minus`, as floats (whatever the build's int8 offset)
+inline F16 to_float_less(I16 a, int32_t minus) {
+  return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, _mm512_set1_epi32(minus)))};
 }
 // acc += four products per lane of stored int8 codes and activation codes
 inline I16 dot_int8(I16 acc, I16 u, I16 x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
@@ -162,6 +180,24 @@ inline void nibbles(I16 raw, I16& lo, I16& hi) {
   lo = {_mm256_and_si256(raw.lo, low), _mm256_and_si256(raw.hi, low)};
   hi = {_mm256_and_si256(_mm256_srli_epi16(raw.lo, 4), low),
         _mm256_and_si256(_mm256_srli_epi16(raw.hi, 4), low)};
+}
+inline __m256i six8(__m256i l, __m256i h, int lshift, int hshift) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i lo = _mm256_and_si256(lshift ? _mm256_srli_epi16(l, 4) : l, low);
+  const __m256i hs = hshift > 0 ? _mm256_slli_epi16(h, hshift)
+                                : hshift < 0 ? _mm256_srli_epi16(h, -hshift) : h;
+  return _mm256_or_si256(lo, _mm256_and_si256(hs, top));
+}
+// 6-bit codes of four column quads (see the AVX-512 version)
+inline void sixes(I16 l01, I16 l23, I16 h, I16 (&q)[4]) {
+  q[0] = {six8(l01.lo, h.lo, 0, 4), six8(l01.hi, h.hi, 0, 4)};
+  q[1] = {six8(l01.lo, h.lo, 1, 2), six8(l01.hi, h.hi, 1, 2)};
+  q[2] = {six8(l23.lo, h.lo, 0, 0), six8(l23.hi, h.hi, 0, 0)};
+  q[3] = {six8(l23.lo, h.lo, 1, -2), six8(l23.hi, h.hi, 1, -2)};
+}
+inline F16 to_float_less(I16 a, int32_t minus) {
+  const __m256i m = _mm256_set1_epi32(minus);
+  return {_mm256_cvtepi32_ps(_mm256_sub_epi32(a.lo, m)), _mm256_cvtepi32_ps(_mm256_sub_epi32(a.hi, m))};
 }
 // 16-bit pair sums -> 32-bit sums of four, added to acc
 inline __m256i widen_add(__m256i acc, __m256i pairs) {
@@ -379,6 +415,64 @@ void int8g_tile(const uint8_t* w, const C* d, const M* m, const float* u, int64_
   }
 }
 
+// R rows of activations against one 6-bit tile: y[r][0..64), w[n, k] = d[n, g] * (c[n, k] - 32)
+// + m[n, g], c in 0..63 (GGUF's Q6_K as stored). Per 16 columns the tile holds 768 bytes: the
+// low nibbles (quads 0-1, then 2-3, each 4 x 64 bytes as in int4_tile) and the top two bits of
+// all four quads (4 x 64 bytes). Integer sums run over S columns (16 for groups of 16, else
+// an activation block's 32), each corrected by 32 times the activation codes' sum over them
+// (`sum`, K / S per row); the constants are as in int8g_tile.
+template <int R, int S, typename C, typename M, typename T>
+void int6_tile(const uint8_t* w, const C* d, const M* m, const float* u, int64_t group,
+               const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
+               int64_t ldy) {
+  constexpr int64_t BYTES = 16 * TILE * 6 / 8;  // per 16 columns
+  const int64_t nb = K / QK, ns = K / S;
+  for (int j0 = 0; j0 < 4; j0 += J) {
+    F16 accf[R][J];
+    fill(accf, fzero());
+    for (int64_t s = 0; s < ns; ++s) {
+      I16 acc[R][J];
+      fill(acc, izero());
+      for (int64_t h = 0; h < S / 16; ++h) {  // S columns summed in integers, 16 at a time
+        const int64_t c0 = s * S + h * 16;
+        const uint8_t* ws = w + (c0 / 16) * BYTES;
+        I16 x[R][4];
+        for (int r = 0; r < R; ++r)
+          for (int g = 0; g < 4; ++g) x[r][g] = broadcast4(xq + r * K + c0 + g * 4);
+        for (int j = 0; j < J; ++j) {
+          const uint8_t* wj = ws + (j0 + j) * 64;
+          _mm_prefetch(reinterpret_cast<const char*>(wj + PREFETCH), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wj + 256 + PREFETCH), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wj + 512 + PREFETCH), _MM_HINT_T0);
+          I16 q[4];
+          sixes(iload(wj), iload(wj + 256), iload(wj + 512), q);
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] = dot_int4(acc[r][j], q[0], x[r][0], q[1], x[r][1]);
+            acc[r][j] = dot_int4(acc[r][j], q[2], x[r][2], q[3], x[r][3]);
+          }
+        }
+      }
+      const int64_t b = s * S / QK, grp = s * S / group;
+      for (int j = 0; j < J; ++j) {
+        F16 dv = fload(d + grp * TILE + (j0 + j) * 16);
+        if (u != nullptr) dv = fmul(dv, fload(u + (s * S / UNIT) * TILE + (j0 + j) * 16));
+        for (int r = 0; r < R; ++r) {
+          const F16 q = fmul(to_float_less(acc[r][j], 32 * sum[r * ns + s]), fset(sx[r * nb + b]));
+          accf[r][j] = fmadd(q, dv, accf[r][j]);
+        }
+        if (m != nullptr) {
+          const F16 mv = fload(m + grp * TILE + (j0 + j) * 16);
+          for (int r = 0; r < R; ++r)
+            accf[r][j] = fmadd(mv, fset(sx[r * nb + b] * static_cast<float>(sum[r * ns + s])),
+                               accf[r][j]);
+        }
+      }
+    }
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r) store16(y + r * ldy + (j0 + j) * 16, accf[r][j]);
+  }
+}
+
 // With many rows a tile is read from memory once and then from cache, once per pair of rows, so
 // the next tile is asked for a slice at a time while this one is worked on (before each pair):
 // the memory stream then runs under the arithmetic instead of between tiles.
@@ -498,6 +592,18 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   return y;
 }
 
+// the activation codes' sums over every 16 columns (groups of 16 correct each half block)
+const std::vector<int32_t>& sums16(const QuantizedRows& r, int64_t n) {
+  thread_local std::vector<int32_t> halves;
+  halves.resize(n / 16);
+  for (int64_t i = 0; i < n / 16; ++i) {
+    int32_t s = 0;
+    for (int64_t c = 0; c < 16; ++c) s += r.q[i * 16 + c];
+    halves[i] = s;
+  }
+  return halves;
+}
+
 // one 8-bit group product, its types fixed: S columns per integer sum (16 or 32), constants C,
 // activations T; `sum` holds the activation codes' sums over every S columns, K / S per row
 template <int S, typename C, typename Mc, typename T>
@@ -551,15 +657,7 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows& r = quantize_rows(x);
-  thread_local std::vector<int32_t> halves;  // group 16: the codes' sums over each 16 columns
-  if (group == 16) {
-    halves.resize(M * (K / 16));
-    for (int64_t i = 0; i < M * (K / 16); ++i) {
-      int32_t s = 0;
-      for (int64_t c = 0; c < 16; ++c) s += r.q[i * 16 + c];
-      halves[i] = s;
-    }
-  }
+  const std::vector<int32_t>& halves = group == 16 ? sums16(r, M * K) : r.sum;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -582,16 +680,89 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
   return y;
 }
 
+// x [M, K] @ 6-bit tiles [N / 64, K * 48] (int6_tile's layout) with constants as for
+// int8g_linear, groups of 16 or a multiple of 32 -> [M, N]
+at::Tensor int6_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
+                       const at::Tensor& m, const at::Tensor& u, int64_t group) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "int6_linear: expected contiguous uint8 tiles");
+  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / (TILE * 6 / 8);
+  TORCH_CHECK(w.size(1) == K * TILE * 6 / 8 && K % QK == 0 &&
+                  (group == 16 || (group > 0 && group % QK == 0)) && K % group == 0,
+              "int6_linear: bad group size ", group, " for ", K, " columns");
+  const bool units = d.scalar_type() == at::kChar;
+  const at::ScalarType mt = units ? at::kFloat : d.scalar_type();
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || units) &&
+                  d.is_contiguous() && d.numel() == N * (K / group) &&
+                  (m.numel() == 0 || (m.scalar_type() == mt && m.is_contiguous() &&
+                                      m.numel() == d.numel())),
+              "int6_linear: bad constants");
+  TORCH_CHECK(units ? (K % UNIT == 0 && u.scalar_type() == at::kFloat && u.is_contiguous() &&
+                       u.numel() == N * (K / UNIT))
+                    : u.numel() == 0,
+              "int6_linear: int8 constants take float32 units per 256 columns, others none");
+  check_input(x_, K, "int6_linear");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), bytes = K * TILE * 6 / 8;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const QuantizedRows& r = quantize_rows(x);
+  const std::vector<int32_t>& halves = group == 16 ? sums16(r, M * K) : r.sum;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    auto run = [&](auto ctag, auto mtag) {
+      using C = decltype(ctag);
+      using Mc = decltype(mtag);
+      const C* dp = d.data_ptr<C>();
+      const Mc* mp = m.numel() ? m.data_ptr<Mc>() : nullptr;
+      const float* up = units ? u.data_ptr<float>() : nullptr;
+      const int64_t per_tile = (K / group) * TILE, per_unit = (K / UNIT) * TILE;
+      const int64_t nb = K / QK;
+      at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
+        for (int64_t t = a; t < e; ++t) {
+          const uint8_t* wt = wp + t * bytes;
+          const C* dt = dp + t * per_tile;
+          const Mc* mt_ = mp ? mp + t * per_tile : nullptr;
+          const float* ut = up ? up + t * per_unit : nullptr;
+          auto tile = [&](auto rows, auto cols, int64_t i, const int32_t* sums, int64_t per) {
+            int6_tile<decltype(rows)::value, decltype(cols)::value>(
+                wt, dt, mt_, ut, group, r.q.data() + i * K, r.scale.data() + i * nb,
+                sums + i * per, K, yp + i * N + t * TILE, N);
+          };
+          auto rows_of = [&](auto cols, const int32_t* sums, int64_t per) {
+            int64_t i = 0;
+            for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
+              if (M > 2 && t + 1 < e) prefetch_slice(wt + bytes, bytes, i / 2, M / 2);
+              tile(std::integral_constant<int, 2>{}, cols, i, sums, per);
+            }
+            if (i < M) tile(std::integral_constant<int, 1>{}, cols, i, sums, per);
+          };
+          // groups of 16 take sums over 16 columns; larger ones over an activation block
+          if (group == 16) rows_of(std::integral_constant<int, 16>{}, halves.data(), K / 16);
+          else rows_of(std::integral_constant<int, 32>{}, r.sum.data(), nb);
+        }
+      });
+    };
+    if (d.scalar_type() == at::kHalf) run(at::Half{}, at::Half{});
+    else if (units) run(int8_t{}, float{});
+    else run(float{}, float{});
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmlib_vnni, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
   lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
+  lib.def("int6_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmlib_vnni, CPU, lib) {
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
   lib.impl("int8g_linear", &int8g_linear);
+  lib.impl("int6_linear", &int6_linear);
 }
