@@ -114,7 +114,47 @@ class GroupCodes:
         )
 
 
-Codes = ChannelCodes | GroupCodes
+    def widened(self, bits: int, group_size: int) -> GroupCodes:
+        """The same weights as codes of ``bits`` bits in groups of ``group_size``, exactly: codes
+        move by the difference of the offsets, scales and zeros repeat over the smaller groups."""
+        if bits < self.bits or self.group_size % group_size:
+            raise ValueError(
+                f"cannot hold {self.bits}-bit codes in groups of {self.group_size} as {bits}-bit "
+                f"codes in groups of {group_size}"
+            )
+        q, scale, zero, steps = self.q, self.scale, self.zero, self.steps
+        if bits != self.bits:
+            q = q + ((1 << (bits - 1)) - self.offset)  # 4 -> 6 bits: + 24: c - 8 = (c + 24) - 32
+        if group_size != self.group_size:
+            r = self.group_size // group_size
+            scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
+            steps = None if steps is None else steps.repeat_interleave(r, dim=1)
+        return GroupCodes(q, scale, zero, group_size, bits, self.unit, steps)
+
+
+@dataclass(frozen=True)
+class CodeParts:
+    """A fused matrix (q/k/v, gate/up) whose row blocks a file stores in different kinds of codes
+    (a Q4_K_M layer: q and k in Q4_K, v in Q6_K). Each part keeps its own codes, so a kernel reads
+    each in its own bytes; :meth:`fused` is the one matrix of the widest kind, exactly."""
+
+    parts: tuple[GroupCodes, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def fused(self) -> GroupCodes:
+        """The parts in their widest common kind (the most bits, the smallest group)."""
+        bits = max(p.bits for p in self.parts)
+        group = min(p.group_size for p in self.parts)
+        return GroupCodes.cat([p.widened(bits, group) for p in self.parts])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+Codes = ChannelCodes | GroupCodes | CodeParts
 
 
 def quantize_int8(w: torch.Tensor) -> ChannelCodes:

@@ -13,6 +13,7 @@ from kquant_blocks import encode_with_values
 from llmlib.checkpoints.quant import FORMATS, block_format, dequantize
 from llmlib.checkpoints.repack import block_codes, fuse, model_codes, repack_error
 from llmlib.gguf_file import GGML_TYPES
+from llmlib.quantize import CodeParts, GroupCodes
 
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # 32-weight blocks; gguf can encode them
@@ -261,8 +262,9 @@ def _blocks(types: dict[str, T], cols: int = 512, rows: int = 64) -> dict:
 
 
 def test_mixed_fused_projections_fuse_exactly() -> None:
-    """A Q4_K_M layer: q/k in Q4_K, v in Q6_K -> one 6-bit, group-16 qkv matrix whose every
-    value is its part's own; gate Q4_K + up Q5_0 -> 6-bit, group 32; a float part -> dense."""
+    """A Q4_K_M layer: q/k in Q4_K, v in Q6_K -> parts kept apart, or one 6-bit, group-16 qkv
+    matrix whose every value is its part's own; gate Q4_K + up Q5_0 -> 6-bit, group 32; a float
+    part -> dense."""
     layer = {
         "layers.0.attn.wq.weight": T.Q4_K,
         "layers.0.attn.wk.weight": T.Q4_K,
@@ -280,13 +282,21 @@ def test_mixed_fused_projections_fuse_exactly() -> None:
     mods += ["layers.1.attn.wqkv"]
     codes = model_codes(mods, blocks)
     assert set(codes) == set(mods) - {"layers.1.attn.wqkv"}  # the float part: stays dense
-    kinds = {m: (c.bits, c.group_size) for m, c in codes.items()}
+    # parts of different kinds stay apart; fused, they take the widest kind
+    assert isinstance(codes[mods[0]], CodeParts) and isinstance(codes[mods[1]], CodeParts)
+    kinds = {m: (c.bits, c.group_size) for m, c in codes.items() if isinstance(c, GroupCodes)}
+    kinds |= {m: (c.fused().bits, c.fused().group_size) for m, c in codes.items() if m not in kinds}
     assert kinds == {mods[0]: (6, 16), mods[1]: (6, 32), mods[2]: (6, 16)}
     for mod, parts in [(mods[0], ("wq", "wk", "wv")), (mods[1], ("w_gate", "w_up"))]:
         sub = "attn" if "attn" in mod else "ffn"
         own = [block_codes(*blocks[f"layers.0.{sub}.{p}.weight"]) for p in parts]
+        assert [(c.bits, c.group_size) for c in codes[mod].parts] == [
+            (c.bits, c.group_size) for c in own
+        ]
         # exact: the same codes minus the same offset, times the same scale, plus the same zero
-        assert torch.equal(codes[mod].dequantize(), torch.cat([c.dequantize() for c in own]))
+        want = torch.cat([c.dequantize() for c in own])
+        assert torch.equal(codes[mod].dequantize(), want)
+        assert torch.equal(codes[mod].fused().dequantize(), want)
     # all-4-bit parts stay 4-bit (the int4 kernels' layout)
     blocks["layers.1.attn.wv.weight"] = blocks_1_v
     four = model_codes(["layers.1.attn.wqkv"], blocks)["layers.1.attn.wqkv"]
@@ -296,12 +306,12 @@ def test_mixed_fused_projections_fuse_exactly() -> None:
 def test_fuse_widens_codes_by_the_offsets() -> None:
     a = block_codes(*_blocks({"a": T.Q4_K}, rows=2)["a"])
     b = block_codes(*_blocks({"b": T.Q3_K}, rows=2)["b"])
-    f = fuse([a, b])
+    f = fuse([a, b]).fused()
     assert (f.bits, f.group_size) == (6, 16)
     assert torch.equal(f.q[:2], a.q + 24)  # 4-bit code c: c - 8 == (c + 24) - 32
     assert torch.equal(f.scale[:2, ::2], a.scale) and torch.equal(f.scale[:2, 1::2], a.scale)
     assert torch.equal(f.zero[:2], a.zero.repeat_interleave(2, dim=1))
-    assert fuse([a]) is a
+    assert fuse([a]) is a and fuse([a, a]).shape == (4, a.shape[1])  # one kind: one matrix
 
 
 def test_repack_error_covers_every_block_type() -> None:

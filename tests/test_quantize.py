@@ -22,7 +22,7 @@ from llmlib.kernels import integer as vnni
 from llmlib.kernels import onednn
 from llmlib.kernels.flags import forced
 from llmlib.kernels.prepare import prepare, quantize_model, weight_matrices
-from llmlib.kernels.weights import Int4Weight, PackedWeight
+from llmlib.kernels.weights import Int4Weight, PackedWeight, StackedWeight
 from llmlib.kernels.weights import pack_reference as pack
 from llmlib.model import random_model
 from llmlib.quantize import GroupCodes, quantize_int4, quantize_int8
@@ -141,10 +141,10 @@ Q4_K_M = {
 
 
 def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
-    """q/k in Q4_K with v in Q6_K fuse into one exact 6-bit matrix in groups of 16; gate/up (both
-    Q4_K) stay 4-bit codes for the int4 kernels. Loading the file with quantization="gguf"
-    packs those; under PyTorch's kernels (integer products off) the 8-bit ones stay dense, with
-    the file's values: the model computes what the float32 reading of the file computes."""
+    """q/k in Q4_K with v in Q6_K stay apart (each in its own kernel's layout), or fuse into one
+    exact 6-bit matrix in groups of 16; gate/up (both Q4_K) stay 4-bit codes for the int4
+    kernels. Under PyTorch's kernels (integer products off) the 6-bit ones stay dense, with the
+    file's values: the model computes what the float32 reading of the file computes."""
     path = write_gguf(
         tmp_path / "m.gguf", WIDE, random_hf_weights(WIDE, seed=5), T.Q4_K, types=Q4_K_M
     )
@@ -152,6 +152,11 @@ def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
     _, state, _ = llmlib.checkpoints.read_checkpoint(path, blocks=blocks)
     ref = llmlib.load_model(path, "cpu", torch.float32)
     codes = model_codes(list(weight_matrices(ref)), blocks)
+    for name in [n for n in codes if n.endswith("wqkv")]:  # q/k Q4_K, v Q6_K: kept apart
+        qkv = codes[name]
+        assert [(c.bits, c.group_size) for c in qkv.parts] == [(4, 32), (4, 32), (6, 16)]
+        assert torch.equal(qkv.dequantize(), qkv.fused().dequantize())
+        codes[name] = qkv.fused()
     kinds = {name: (c.bits, c.group_size) for name, c in codes.items()}
     assert kinds["layers.0.attn.wqkv"] == (6, 16) and kinds["layers.1.ffn.w_down"] == (6, 16)
     assert kinds["layers.0.ffn.w_gate_up"] == (4, 32) and kinds["layers.0.attn.wo"] == (4, 32)
@@ -166,6 +171,19 @@ def test_gguf_q4_k_m_file_fuses_exactly_and_loads(tmp_path: Path) -> None:
     ids = torch.randint(0, WIDE.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    if vnni.available():  # the integer kernels: q/k in int4 tiles, v in 6-bit ones, side by side
+        model = llmlib.load_model(path, "cpu", torch.float32, "gguf")
+        w = model.get_submodule("layers.0.attn.wqkv").weight
+        b = "vnni" if vnni.isa() == "avx512vnni" else "avx2"
+        assert isinstance(w, StackedWeight)
+        assert [type(p) for p in w.parts] == [vnni.VnniInt4Weight] * 2 + [vnni.VnniInt6Weight]
+        want = ref.get_submodule("layers.0.attn.wqkv").weight.dequantize()
+        n_v = w.parts[2].shape[0]  # v: exact (int8 steps, float32 units); q/k: float16 d and m
+        assert torch.equal(w.parts[2].dequantize(), want[-n_v:])
+        assert torch.allclose(w.dequantize(), want, rtol=0, atol=2e-3 * want.abs().max().item())
+        x = torch.randn(3, WIDE.d_model, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(w.linear(x), torch.cat([p.linear(x) for p in w.parts], dim=-1))
+        assert f"int4 g32 {b} + int6 g16 {b} x2" in model.weight_format
 
 
 def test_gguf_q8_0_table_packs_for_the_8_bit_group_kernel(tmp_path: Path) -> None:

@@ -35,9 +35,10 @@ float16 constants, 7 for Q4_K's); otherwise they differ by the float32 rounding 
 zero). Float types (F32, F16, BF16) have no codes: the loader keeps those matrices dense.
 
 A fused projection (q/k/v, gate/up) is the row-wise concatenation of its parts, and a Q4_K_M file
-mixes types inside one: ``attn_q``/``attn_k`` in Q4_K, ``attn_v`` in Q6_K. :func:`fuse` brings
-the parts to the widest kind exactly: a 4-bit code becomes a 6-bit one by adding 24 (``c - 8 =
-(c + 24) - 32``), and a group of 32 becomes two groups of 16 with the same scale and zero.
+mixes types inside one: ``attn_q``/``attn_k`` in Q4_K, ``attn_v`` in Q6_K. :func:`fuse` keeps
+such parts apart, each multiplied in its own layout; where one matrix is needed they come to the
+widest kind exactly (``CodeParts.fused``): a 4-bit code becomes a 6-bit one by adding 24 (``c - 8
+= (c + 24) - 32``), and a group of 32 becomes two groups of 16 with the same scale and zero.
 
 What can round is where a kernel keeps ``s`` and ``z``: in the activations' dtype. In float32
 they are exact; in bfloat16 each keeps 8 of its significant bits. :func:`repack_error` measures
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from llmlib.checkpoints.quant import BlockFormat, as_bytes, block_format, take_apart
-from llmlib.quantize import GroupCodes
+from llmlib.quantize import CodeParts, GroupCodes
 
 #: the block types whose codes are 4 bits (the int4 kernels' layout), and 8 bits; every other
 #: one's fit six
@@ -110,32 +111,15 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
     )
 
 
-def widen(c: GroupCodes, bits: int, group_size: int) -> GroupCodes:
-    """The same weights as codes of ``bits`` bits in groups of ``group_size``, exactly: codes move
-    by the difference of the offsets, scales and zeros repeat over the smaller groups."""
-    if bits < c.bits or c.group_size % group_size:
-        raise ValueError(
-            f"cannot hold {c.bits}-bit codes in groups of {c.group_size} as {bits}-bit codes in "
-            f"groups of {group_size}"
-        )
-    q, scale, zero, steps = c.q, c.scale, c.zero, c.steps
-    if bits != c.bits:
-        q = q + ((1 << (bits - 1)) - c.offset)  # 4 -> 6 bits: + 24, so c - 8 = (c + 24) - 32
-    if group_size != c.group_size:
-        r = c.group_size // group_size
-        scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
-        steps = None if steps is None else steps.repeat_interleave(r, dim=1)
-    return GroupCodes(q, scale, zero, group_size, bits, c.unit, steps)
-
-
-def fuse(codes: list[GroupCodes]) -> GroupCodes:
-    """The row-wise concatenation of the parts of a fused matrix, in their widest common kind
-    (the most bits, the smallest group), without re-quantizing any of them."""
+def fuse(codes: list[GroupCodes]) -> GroupCodes | CodeParts:
+    """The row-wise concatenation of the parts of a fused matrix: one matrix where the parts are
+    codes of one kind, else the parts kept apart (:class:`~llmlib.quantize.CodeParts`, whose
+    ``fused()`` is their widest common kind, exactly), so that each is read in its own bytes."""
     if len(codes) == 1:
         return codes[0]
-    bits = max(c.bits for c in codes)
-    group = min(c.group_size for c in codes)
-    return GroupCodes.cat([widen(c, bits, group) for c in codes])
+    if len({(c.bits, c.group_size) for c in codes}) == 1:
+        return GroupCodes.cat(codes)
+    return CodeParts(tuple(codes))
 
 
 #: fused module -> the checkpoint matrices it concatenates, in row order
@@ -150,14 +134,15 @@ def _parts(module: str) -> list[str]:
     return [f"{module}.weight"]
 
 
-def model_codes(modules: list[str], blocks: dict[str, tuple[str, torch.Tensor]]) -> dict:
+def model_codes(
+    modules: list[str], blocks: dict[str, tuple[str, torch.Tensor]]
+) -> dict[str, GroupCodes | CodeParts]:
     """``{module name: codes}`` for the modules whose every part the file stores in blocks.
 
-    The parts of a fused projection that mix block types are fused exactly (:func:`fuse`: a
-    Q4_K + Q6_K projection becomes 6-bit codes in groups of 16); one with a float part stays
-    dense.
+    The parts of a fused projection that mix block types stay apart (:func:`fuse`: a Q4_K +
+    Q6_K projection keeps 4-bit q/k and 6-bit v); one with a float part stays dense.
     """
-    out: dict[str, GroupCodes] = {}
+    out: dict[str, GroupCodes | CodeParts] = {}
     for mod in modules:
         parts = _parts(mod)
         if not all(p in blocks for p in parts):

@@ -197,7 +197,7 @@ def _tiles(c: torch.Tensor) -> torch.Tensor:
 # ---- the weights ----------------------------------------------------------------------------
 
 
-class _VnniWeight(PackedWeight):
+class VnniWeight(PackedWeight):
     """Shared by both layouts: CPU only; ``.to(dtype)`` changes the activations' dtype (the
     ``act`` marker) and leaves the codes and their constants as the kernel wants them."""
 
@@ -235,7 +235,7 @@ class _VnniWeight(PackedWeight):
         return super().linear(x, bias)
 
 
-class VnniInt8Weight(_VnniWeight):
+class VnniInt8Weight(VnniWeight):
     """int8 codes and per-row float32 scales in VNNI tiles: ``llmlib_vnni::int8_linear``."""
 
     kind = "int8 vnni"
@@ -254,7 +254,7 @@ class VnniInt8Weight(_VnniWeight):
         return (q.float() * self.scale[ids, None]).to(self.dtype)
 
 
-class VnniInt4Weight(_VnniWeight):
+class VnniInt4Weight(VnniWeight):
     """4-bit codes in VNNI tiles, ``w = d * q + m`` per group: ``llmlib_vnni::int4_linear``."""
 
     kind = "int4 vnni"
@@ -321,7 +321,7 @@ def _exact_half(c: torch.Tensor) -> bool:
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), c.float())
 
 
-class VnniInt8GroupWeight(_VnniWeight):
+class VnniInt8GroupWeight(VnniWeight):
     """8-bit codes in groups (GGUF's Q8_0; 6-bit ones widened) in int8's VNNI tiles,
     ``w = d * (u - 128) + m`` per group: ``llmlib_vnni::int8g_linear``. Constants are float16
     where exact, else float32; a k-quant's scales stay factored (int8 ``d``, float32 ``u``)."""
@@ -387,7 +387,7 @@ class VnniInt6Weight(VnniInt8GroupWeight):
     def __init__(self, codes: GroupCodes, dtype: torch.dtype) -> None:
         if codes.bits != 6:
             raise ValueError(f"{self.kind} holds 6-bit codes, got {codes.bits}-bit ones")
-        _VnniWeight.__init__(self, codes.shape)
+        VnniWeight.__init__(self, codes.shape)
         self._store(codes, dtype)
 
     @staticmethod

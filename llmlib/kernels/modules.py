@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlib.kernels.weights import PackedWeight
+from llmlib.kernels.weights import PackedWeight, StackedWeight
 from llmlib.model.embedding import TokenEmbedding
 
 
@@ -47,5 +47,9 @@ class PackedEmbedding(TokenEmbedding):
 
 def parameter_count(model: nn.Module) -> int:
     """How many weights ``model`` holds, a stored matrix counted by its shape, a tied table once."""
-    packed = sum(m.shape.numel() for m in model.modules() if isinstance(m, PackedWeight))
+    packed = sum(
+        m.shape.numel()
+        for m in model.modules()
+        if isinstance(m, PackedWeight) and not isinstance(m, StackedWeight)  # its parts count
+    )
     return packed + sum(p.numel() for p in model.parameters())

@@ -39,13 +39,27 @@ from llmlib.kernels.bfloat16 import Bfloat16Weight
 from llmlib.kernels.flags import flags
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
 from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
-from llmlib.kernels.weights import Float32Weight, Int4Weight, PackedWeight, RowTiles, pack_reference
+from llmlib.kernels.weights import (
+    Float32Weight,
+    Int4Weight,
+    PackedWeight,
+    RowTiles,
+    StackedWeight,
+    pack_reference,
+)
 from llmlib.model.embedding import TokenEmbedding
 from llmlib.model.norm import RMSNorm
-from llmlib.quantize import ChannelCodes, Codes, GroupCodes, quantize_int4, quantize_int8
+from llmlib.quantize import (
+    ChannelCodes,
+    CodeParts,
+    Codes,
+    GroupCodes,
+    quantize_int4,
+    quantize_int8,
+)
 
 #: What a matrix is made from: a float tensor or codes, whole or read a slice of rows at a time.
-Source = torch.Tensor | ChannelCodes | GroupCodes | Rows
+Source = torch.Tensor | ChannelCodes | GroupCodes | CodeParts | Rows
 
 
 @dataclass(frozen=True)
@@ -112,7 +126,14 @@ def quantize(name: str, w: torch.Tensor, fmt: Format, describe: Callable[[str], 
 
 def pack_codes(codes: Codes, fmt: Format, *, rows: bool = False) -> PackedWeight | torch.Tensor:
     """Codes in the fastest layout here: the integer kernels', else PyTorch's (which has none for
-    8-bit codes in groups: those become dense). ``rows``: also an embedding table, rows readable."""
+    6- or 8-bit codes in groups: those become dense). ``rows``: also an embedding table, rows
+    readable. A fused matrix whose parts are codes of different kinds keeps each part in its own
+    layout where the integer kernels take them all, else becomes one matrix of the widest kind."""
+    if isinstance(codes, CodeParts):
+        parts = [pack_codes(p, fmt) for p in codes.parts] if fmt.device.type == "cpu" else []
+        if parts and all(isinstance(p, integer.VnniWeight) for p in parts):
+            return StackedWeight(parts)
+        codes = codes.fused()
     if fmt.device.type == "cpu":
         packed = integer.pack(codes, fmt.dtype)
         if packed is not None:
