@@ -67,7 +67,12 @@ class GroupCodes:
     integer per group (``steps``, int8 ``[N, K/group]``), and its scales are their products,
     ``scale = unit * steps``, exactly. A kernel can then keep the steps in a byte and the units
     apart instead of a float32 per group (products of two float16 numbers' worth of bits do not
-    fit a float16)."""
+    fit a float16).
+
+    ``shift_unit`` and ``shift_steps`` (optional, together) do the same for a k-quant's
+    minimums (Q4_K, Q5_K, Q2_K): ``-dmin`` per 256 weights times an integer per group. Their
+    product is the offset ``m`` of ``w = scale * (q - offset) + m`` with the codes counted from
+    the file's own lowest value: ``zero - 8 * scale`` for 4-bit codes, ``zero`` for others."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -76,6 +81,8 @@ class GroupCodes:
     bits: int = 4
     unit: torch.Tensor | None = None
     steps: torch.Tensor | None = None
+    shift_unit: torch.Tensor | None = None
+    shift_steps: torch.Tensor | None = None
 
     #: weights per ``unit``: a k-quant super-block
     UNIT = 256
@@ -103,14 +110,21 @@ class GroupCodes:
             )
         g, bits = kinds.pop()
         factored = all(p.unit is not None and p.steps is not None for p in parts)
+        shifts = factored and all(p.shift_steps is not None for p in parts)
+
+        def cat(name: str, keep: bool) -> torch.Tensor | None:
+            return torch.cat([getattr(p, name) for p in parts]) if keep else None
+
         return GroupCodes(
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
             g,
             bits,
-            torch.cat([p.unit for p in parts]) if factored else None,
-            torch.cat([p.steps for p in parts]) if factored else None,
+            cat("unit", factored),
+            cat("steps", factored),
+            cat("shift_unit", shifts),
+            cat("shift_steps", shifts),
         )
 
 
@@ -125,11 +139,25 @@ class GroupCodes:
         q, scale, zero, steps = self.q, self.scale, self.zero, self.steps
         if bits != self.bits:
             q = q + ((1 << (bits - 1)) - self.offset)  # 4 -> 6 bits: + 24: c - 8 = (c + 24) - 32
-        if group_size != self.group_size:
-            r = self.group_size // group_size
-            scale, zero = scale.repeat_interleave(r, dim=1), zero.repeat_interleave(r, dim=1)
-            steps = None if steps is None else steps.repeat_interleave(r, dim=1)
-        return GroupCodes(q, scale, zero, group_size, bits, self.unit, steps)
+        r = self.group_size // group_size
+
+        def per_group(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or r == 1 else t.repeat_interleave(r, dim=1)
+
+        # the minimums stay factored only where the offset they make does not change: 4-bit
+        # codes widened count from another value, and their zero takes the difference in
+        keep = bits == self.bits
+        return GroupCodes(
+            q,
+            per_group(scale),
+            per_group(zero),
+            group_size,
+            bits,
+            self.unit,
+            per_group(steps),
+            self.shift_unit if keep else None,
+            per_group(self.shift_steps) if keep else None,
+        )
 
 
 @dataclass(frozen=True)

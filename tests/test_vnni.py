@@ -270,6 +270,40 @@ def test_a_q6_k_matrix_is_held_in_its_own_bytes() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q4_k_matrix_keeps_its_constants_factored(dtype) -> None:
+    """A Q4_K matrix from a file's bytes: its 6-bit scales and minimums kept as a byte per group
+    and its d and dmin as float16 per 256 weights (4.625 bits a weight against the file's 4.5,
+    not 5), its weights the ``gguf`` package's decoding, its product that arithmetic's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+    from kquant_blocks import encode
+
+    from llmlib.checkpoints.repack import block_codes
+
+    x = torch.randn(128, 512, generator=torch.Generator().manual_seed(4)).numpy()
+    raw = encode(x, "Q4_K")
+    codes = block_codes("Q4_K", torch.from_numpy(raw), "blk.0.ffn_up.weight")
+    w = vnni.pack(codes, dtype)
+    assert isinstance(w, vnni.VnniInt4Weight) and w.d.dtype == torch.int8 and w.du.numel()
+    ref = torch.from_numpy(dequantize(raw, T.Q4_K).astype(np.float32))
+    torch.testing.assert_close(w.dequantize().float(), ref.to(dtype).float(), rtol=0, atol=1e-6)
+    assert w.nbytes <= 1.03 * raw.nbytes
+    rows = 3
+    a = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)).to(dtype)
+    aq, da = _round_rows(a)
+    want = torch.einsum(
+        "mbi,nbi,mb->mn", aq.double().view(rows, -1, 32), ref.double().view(128, -1, 32), da.double()
+    )
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    got = w.linear(a).double()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    for i in range(rows):
+        assert torch.equal(w.linear(a[i : i + 1])[0], w.linear(a)[i])
+
+
+@needs_kernels
 def test_8_bit_group_codes_pack_for_the_kernel() -> None:
     for group in (32, 16):
         codes = _codes8(128, 64, group)
@@ -392,7 +426,7 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     import sys
 
     env = {**os.environ, "LLMLIB_NATIVE_ISA": "avx2"}
-    tests = "(arithmetic or does_not_depend or stored_for_the_kernels) and not avx2_build"
+    tests = "(arithmetic or does_not_depend or stored_for_the_kernels or q4_k or q6_k) and not avx2_build"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
         env=env,
@@ -402,4 +436,4 @@ def test_the_avx2_build_is_its_arithmetic_too() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith("21 passed") and "skipped" not in last, run.stdout[-2000:]
+    assert last.startswith("24 passed") and "skipped" not in last, run.stdout[-2000:]

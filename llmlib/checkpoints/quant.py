@@ -138,7 +138,9 @@ class Blocks:
 
     A k-quant's scales are products, ``scale = unit * steps``: the block's float16 ``d``
     (``unit``, float32 ``[n_blocks, 1]``) times a small integer per group (``steps``, int8). The
-    takers keep both, so a kernel can store a byte per group instead of a float32."""
+    takers keep both, so a kernel can store a byte per group instead of a float32. Its shifts
+    are products too, ``shift = shift_unit * shift_steps`` (``-dmin`` times the 6-bit minimum,
+    exact in float32), where the format has them (Q4_K, Q5_K, Q2_K)."""
 
     q: np.ndarray
     scale: np.ndarray
@@ -146,6 +148,8 @@ class Blocks:
     low: int  # the smallest value q can hold: -8 for Q4_0, 0 for Q4_1, -32 for Q6_K, ...
     unit: np.ndarray | None = None
     steps: np.ndarray | None = None
+    shift_unit: np.ndarray | None = None
+    shift_steps: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[n_blocks, block_size]``, in the reference's order of operations."""
@@ -213,8 +217,11 @@ def _k_blocks(
     float32, as llama.cpp forms them, from the float16 ``d`` and ``dmin`` at those byte offsets
     of each block (no shifts where ``dmin`` is None)."""
     unit, steps = _f16(b[:, d : d + 2]), steps.view(np.int8)  # every step is below 128
-    shift = None if dmin is None else -(_f16(b[:, dmin : dmin + 2]) * mins.astype(np.float32))
-    return Blocks(q, unit * steps.astype(np.float32), shift, low, unit, steps)
+    if dmin is None:
+        return Blocks(q, unit * steps.astype(np.float32), None, low, unit, steps)
+    neg = -_f16(b[:, dmin : dmin + 2])
+    shift = -(-neg * mins.astype(np.float32))  # llama.cpp's -(dmin * m), the same bits
+    return Blocks(q, unit * steps.astype(np.float32), shift, low, unit, steps, neg, mins.view(np.int8))
 
 
 def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

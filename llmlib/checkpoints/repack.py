@@ -96,10 +96,13 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
             raise ValueError(f"{name}: {kind} codes outside six bits (the reader is wrong)")
         zero, bits = shift, 6
     k = width // fmt.block_bytes * fmt.block_size
-    unit = steps = None
+    unit = steps = shift_unit = shift_steps = None
     if parts.unit is not None:  # k-quants: each block's float16 d times an integer per group
         unit = torch.from_numpy(parts.unit.reshape(rows, -1))
         steps = torch.from_numpy(parts.steps.reshape(rows, -1))
+    if parts.shift_unit is not None:  # and -dmin times an integer: the kernels' offsets
+        shift_unit = torch.from_numpy(parts.shift_unit.reshape(rows, -1))
+        shift_steps = torch.from_numpy(np.ascontiguousarray(parts.shift_steps).reshape(rows, -1))
     return GroupCodes(
         torch.from_numpy(q.view(np.uint8).reshape(rows, k)),
         torch.from_numpy(parts.scale.reshape(rows, -1)),
@@ -108,6 +111,8 @@ def block_codes(kind: str, raw: torch.Tensor, name: str = "tensor") -> GroupCode
         bits,
         unit,
         steps,
+        shift_unit,
+        shift_steps,
     )
 
 

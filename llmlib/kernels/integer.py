@@ -98,7 +98,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
     @torch.library.register_fake("llmlib_vnni::int4_linear")
-    def _(x, w, d, m, group):
+    def _(x, w, d, m, du, mu, group):
         return x.new_empty(x.shape[0], w.shape[0] * TILE)
 
     @torch.library.register_fake("llmlib_vnni::int8g_linear")
@@ -264,21 +264,43 @@ class VnniInt4Weight(VnniWeight):
         self.group_size = codes.group_size
         self.register_buffer("act", torch.empty(0, dtype=dtype))
         self.register_buffer("w", pack_int4(codes.q).contiguous())
+        if _factored_4(codes):  # Q4_K: a byte per group for d and m, float16 units per 256
+            self.register_buffer("d", _tiles(codes.steps).contiguous())
+            self.register_buffer("m", _tiles(codes.shift_steps).contiguous())
+            self.register_buffer("du", _tiles(codes.unit.half()).contiguous())
+            self.register_buffer("mu", _tiles(codes.shift_unit.half()).contiguous())
+            return
         # GroupCodes' convention is (q - 8) * scale + zero: d = scale, m = zero - 8 * scale
         # (a GGUF Q4_1 block's own d and m, which float16 holds exactly)
         d, m = codes.scale.float(), codes.zero.float() - 8 * codes.scale.float()
         self.register_buffer("d", _tiles(d.half()).contiguous())
         self.register_buffer("m", _tiles(m.half()).contiguous())
+        self.register_buffer("du", torch.empty(0, dtype=torch.float16))
+        self.register_buffer("mu", torch.empty(0, dtype=torch.float16))
 
     @property
     def label(self) -> str:
         return f"int4 g{self.group_size} {_build_name()}"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmlib_vnni.int4_linear(x, self.w, self.d, self.m, self.group_size)
+        return torch.ops.llmlib_vnni.int4_linear(
+            x, self.w, self.d, self.m, self.du, self.mu, self.group_size
+        )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _group_rows(self, unpack_int4(self.w, self.shape[1], ids), ids)
+        q = unpack_int4(self.w, self.shape[1], ids)
+        if not self.du.numel():
+            return _group_rows(self, q, ids)
+        n, k = self.shape
+        g, tiles, lane = self.group_size, ids // TILE, ids % TILE
+
+        def per_column(c: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+            steps = c.view(n // TILE, k // g, TILE)[tiles, :, lane].float()
+            units = unit.view(n // TILE, k // UNIT, TILE)[tiles, :, lane].float()
+            return (steps * units.repeat_interleave(UNIT // g, dim=-1)).repeat_interleave(g, -1)
+
+        out = q.float() * per_column(self.d, self.du) + per_column(self.m, self.mu)
+        return out.to(self.dtype)
 
 
 def _group_rows(w: PackedWeight, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -312,6 +334,15 @@ def _factored(codes: GroupCodes) -> torch.Tensor | None:
     if codes.shape[1] % UNIT or UNIT % codes.group_size:
         return None
     return codes.steps
+
+
+def _factored_4(codes: GroupCodes) -> bool:
+    """Whether 4-bit codes carry a k-quant's scales and minimums as integers per group times
+    float16 units per 256 columns (Q4_K), which :class:`VnniInt4Weight` keeps so: 4.625 bits a
+    weight, against 5 with a float16 ``d`` and ``m`` per group of 32."""
+    if _factored(codes) is None or codes.shift_steps is None or codes.shift_unit is None:
+        return False
+    return all(_exact_half(u) for u in (codes.unit, codes.shift_unit))
 
 
 def _exact_half(c: torch.Tensor) -> bool:

@@ -318,11 +318,12 @@ void int8_tile(const uint8_t* w, const float* scale, const int8_t* xq, const flo
 }
 
 // R rows of activations against one int4 tile: y[r][0..64). `d` and `m` are this tile's
-// [K / group, 64] float16 constants.
-template <int R, typename T>
-void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t group,
-               const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
-               int64_t ldy) {
+// [K / group, 64] constants: float16, or (a k-quant's, Q4_K's) int8 integers that `du` and `mu`,
+// this tile's [K / 256, 64] float16 units, multiply (the block's d and -dmin).
+template <int R, typename C, typename T>
+void int4_tile(const uint8_t* w, const C* d, const C* m, const at::Half* du, const at::Half* mu,
+               int64_t group, const int8_t* xq, const float* sx, const int32_t* sum, int64_t K,
+               T* y, int64_t ldy) {
   const int64_t nb = K / QK;
   for (int j0 = 0; j0 < 4; j0 += J) {
     F16 accf[R][J];
@@ -347,8 +348,13 @@ void int4_tile(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t g
       }
       const int64_t g = (b * QK) / group;
       for (int j = 0; j < J; ++j) {
-        const F16 dv = fload(d + g * TILE + (j0 + j) * 16);
-        const F16 mv = fload(m + g * TILE + (j0 + j) * 16);
+        F16 dv = fload(d + g * TILE + (j0 + j) * 16);
+        F16 mv = fload(m + g * TILE + (j0 + j) * 16);
+        if constexpr (std::is_same_v<C, int8_t>) {
+          const int64_t at = (b * QK / UNIT) * TILE + (j0 + j) * 16;
+          dv = fmul(dv, fload(du + at));
+          mv = fmul(mv, fload(mu + at));
+        }
         for (int r = 0; r < R; ++r) {
           const float e = sx[r * nb + b];
           const F16 ms = fset(e * static_cast<float>(sum[r * nb + b]));
@@ -553,41 +559,61 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   return y;
 }
 
-// x [M, K] @ int4 tiles [N / 64, K * 32] with float16 d, m [N / 64, K / group * 64] -> [M, N]
+// x [M, K] @ int4 tiles [N / 64, K * 32] with float16 d, m [N / 64, K / group * 64], or int8
+// d, m with float16 units du, mu [N / 64, K / 256 * 64] (else empty) -> [M, N]
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
-                       const at::Tensor& m, int64_t group) {
+                       const at::Tensor& m, const at::Tensor& du, const at::Tensor& mu,
+                       int64_t group) {
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * 2 / TILE;
   TORCH_CHECK(K % QK == 0 && group % QK == 0 && K % group == 0, "int4_linear: bad group size");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf &&
-                  d.numel() == N * (K / group) && m.numel() == d.numel(),
+  const bool units = d.scalar_type() == at::kChar;
+  TORCH_CHECK((d.scalar_type() == at::kHalf || units) && m.scalar_type() == d.scalar_type() &&
+                  d.numel() == N * (K / group) && m.numel() == d.numel() && d.is_contiguous() &&
+                  m.is_contiguous(),
               "int4_linear: bad constants");
+  TORCH_CHECK(units ? (K % UNIT == 0 && du.scalar_type() == at::kHalf &&
+                       mu.scalar_type() == at::kHalf && du.numel() == N * (K / UNIT) &&
+                       mu.numel() == du.numel() && du.is_contiguous() && mu.is_contiguous())
+                    : du.numel() == 0 && mu.numel() == 0,
+              "int4_linear: int8 constants take float16 units per 256 columns, others none");
   check_input(x_, K, "int4_linear");
   const at::Tensor x = x_.contiguous();
-  const int64_t M = x.size(0), per_tile = (K / group) * TILE;
+  const int64_t M = x.size(0), per_tile = (K / group) * TILE, per_unit = (K / UNIT) * TILE;
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows& r = quantize_rows(x);
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    const at::Half* dp = d.data_ptr<at::Half>();
-    const at::Half* mp = m.data_ptr<at::Half>();
+    const at::Half* dup = units ? du.data_ptr<at::Half>() : nullptr;
+    const at::Half* mup = units ? mu.data_ptr<at::Half>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
-      for (int64_t t = a; t < e; ++t) {
-        const uint8_t* wt = wp + t * K * TILE / 2;
-        int64_t i = 0;
-        for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
-          if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE / 2, K * TILE / 2, i / 2, M / 2);
-          int4_tile<2>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
-                       r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
-                       yp + i * N + t * TILE, N);
+    auto run = [&](auto ctag) {
+      using C = decltype(ctag);
+      const C* dp = d.data_ptr<C>();
+      const C* mp = m.data_ptr<C>();
+      at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
+        for (int64_t t = a; t < e; ++t) {
+          const uint8_t* wt = wp + t * K * TILE / 2;
+          const C* dt = dp + t * per_tile;
+          const C* mt = mp + t * per_tile;
+          const at::Half* dut = units ? dup + t * per_unit : nullptr;
+          const at::Half* mut = units ? mup + t * per_unit : nullptr;
+          int64_t i = 0;
+          for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
+            if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE / 2, K * TILE / 2, i / 2, M / 2);
+            int4_tile<2>(wt, dt, mt, dut, mut, group, r.q.data() + i * K,
+                         r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
+                         yp + i * N + t * TILE, N);
+          }
+          if (i < M)
+            int4_tile<1>(wt, dt, mt, dut, mut, group, r.q.data() + i * K,
+                         r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
+                         yp + i * N + t * TILE, N);
         }
-        if (i < M)
-          int4_tile<1>(wt, dp + t * per_tile, mp + t * per_tile, group, r.q.data() + i * K,
-                       r.scale.data() + i * (K / QK), r.sum.data() + i * (K / QK), K,
-                       yp + i * N + t * TILE, N);
-      }
-    });
+      });
+    };
+    if (units) run(int8_t{});
+    else run(at::Half{});
   });
   return y;
 }
@@ -755,7 +781,7 @@ at::Tensor int6_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 
 TORCH_LIBRARY(llmlib_vnni, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, int group) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor du, Tensor mu, int group) -> Tensor");
   lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
   lib.def("int6_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
 }
