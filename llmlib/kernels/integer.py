@@ -14,7 +14,7 @@ operators in the graph): :func:`llmlib.kernels.prepare.prepare` decides at load.
 ``LLMLIB_INTEGER=0`` keeps PyTorch's layouts, the reference the tests compare these with.
 
 The kernels are C++ (``llmlib/kernels/csrc/vnni.cpp``), loaded as
-``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear`` / ``int8g_linear``. They need AVX-512
+``torch.ops.llmlib_vnni.int8_linear`` / ``int4_linear`` / ``int8g_linear`` / ``int6_linear``. They need AVX-512
 VNNI or AVX2 (:func:`isa`, a build each), a compiler, output widths a multiple of 64 and input
 widths (and int4 groups) a multiple of 32 (8-bit groups may be 16). Elsewhere a matrix keeps
 PyTorch's kernel (8-bit codes in groups, which PyTorch has none for, become a dense matrix).
@@ -23,8 +23,10 @@ Layout (:func:`pack_int8` / :func:`pack_int4`): tiles of 64 output channels; ins
 each four input columns, the 64 channels' four codes side by side, so one 64-byte load holds
 four consecutive codes of 16 channels. int8 codes are stored plus 128 (the instruction's
 unsigned operand); int4 codes keep two groups of four columns per byte (low and high nibble),
-with each group's ``w = d * q + m`` constants in float16. 8-bit codes in groups (most GGUF block
-types) are int8's tiles with int4's per-group constants, ``w = d * (u - 128) + m``.
+with each group's ``w = d * q + m`` constants in float16 (or, for Q4_K, a byte each times float16
+units per 256 columns: 4.625 bits a weight). 8-bit codes in groups (Q8_0) are int8's tiles with
+per-group constants, ``w = d * (u - 128) + m``. 6-bit codes (Q6_K, Q5_x, Q3_K, Q2_K) keep six
+bits (:func:`pack_int6`), so a decode step reads about the bytes the file holds.
 """
 
 from __future__ import annotations
