@@ -127,7 +127,6 @@ class GroupCodes:
             cat("shift_steps", shifts),
         )
 
-
     def widened(self, bits: int, group_size: int) -> GroupCodes:
         """The same weights as codes of ``bits`` bits in groups of ``group_size``, exactly: codes
         move by the difference of the offsets, scales and zeros repeat over the smaller groups."""

@@ -16,6 +16,9 @@ import pytest
 # compiled steps are tested where a test asks for them (compile=True: test_aot, test_engine,
 # test_forced_paths), and the default itself under forced flags (test_compile_default).
 os.environ.setdefault("LLMLIB_COMPILE", "0")
+# Loads pack their weights: the cache of packed weights on disk is tested on its own
+# (test_packed_cache), in a folder of its own, so the tests leave no gigabytes behind.
+os.environ.setdefault("LLMLIB_PACKED_CACHE", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 

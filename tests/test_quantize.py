@@ -22,7 +22,8 @@ from llmlib.kernels import integer as vnni
 from llmlib.kernels import onednn
 from llmlib.kernels.flags import forced
 from llmlib.kernels.prepare import prepare, quantize_model, weight_matrices
-from llmlib.kernels.weights import Int4Weight, PackedWeight, StackedWeight
+from llmlib.kernels.stacked import StackedWeight
+from llmlib.kernels.weights import Int4Weight, PackedWeight
 from llmlib.kernels.weights import pack_reference as pack
 from llmlib.model import random_model
 from llmlib.quantize import GroupCodes, quantize_int4, quantize_int8

@@ -294,7 +294,10 @@ def test_a_q4_k_matrix_keeps_its_constants_factored(dtype) -> None:
     a = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)).to(dtype)
     aq, da = _round_rows(a)
     want = torch.einsum(
-        "mbi,nbi,mb->mn", aq.double().view(rows, -1, 32), ref.double().view(128, -1, 32), da.double()
+        "mbi,nbi,mb->mn",
+        aq.double().view(rows, -1, 32),
+        ref.double().view(128, -1, 32),
+        da.double(),
     )
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     got = w.linear(a).double()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llmlib.checkpoints import packed
 from llmlib.checkpoints.lazy import LazyTensor, materialize, read_checkpoint_lazy
 from llmlib.config import ModelConfig
 from llmlib.device import choose
@@ -137,6 +138,7 @@ def load_model(
             blocks=blocks,
             progress=progress,
             plain=plain,
+            packed_from=path if quantization else None,
         )
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
@@ -161,11 +163,14 @@ def build_model(
     blocks: dict[str, Any] | None = None,
     progress: bool = False,
     plain: bool = False,
+    packed_from: Path | None = None,
 ) -> Transformer:
     """Check ``state`` (llmlib names; tensors, or lazy ones read when needed) against ``cfg`` and
     return a model holding exactly those weights, each matrix stored for this machine
     (:func:`llmlib.kernels.prepare.prepare`). ``blocks`` maps a GGUF matrix's llmlib name to a
-    reader of its raw blocks: with ``quantization="gguf"`` those matrices become codes."""
+    reader of its raw blocks: with ``quantization="gguf"`` those matrices become codes.
+    ``packed_from``: the file the weights come from, whose packed layouts are kept on disk after
+    this load and mapped instead of packed at the next (:mod:`llmlib.checkpoints.packed`)."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(
             f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
@@ -192,6 +197,9 @@ def build_model(
     describe = _describe(name_of)
 
     def source(name: str) -> Any:
+        kept = cache.weight(name) if cache is not None else None
+        if kept is not None:
+            return kept
         keys = _parts(name)
         if blocks is not None and all(k in blocks for k in keys):
             from llmlib.checkpoints.repack import block_codes, model_codes
@@ -212,7 +220,14 @@ def build_model(
         return mats[0] if len(mats) == 1 else torch.cat(mats)
 
     fmt = Format(place.device, place.dtype, quantization, group_size, plain)
+    cache = packed.open_packed(packed_from, fmt) if packed_from is not None else None
     prepare(model, fmt, source, describe=describe, progress=progress)
+    if cache is not None:
+        model.packed_weights = cache.path  # its buffers view the mapping, which they keep open
+    elif packed_from is not None:
+        kept = packed.keep(model, packed_from, fmt)
+        if kept is not None and progress:
+            print(f"llmlib: the packed weights are kept in {kept} for later starts", flush=True)
     model.requires_grad_(False)  # an inference library: no autograd bookkeeping on the weights
     return model.eval()
 

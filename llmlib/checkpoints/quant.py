@@ -221,7 +221,9 @@ def _k_blocks(
         return Blocks(q, unit * steps.astype(np.float32), None, low, unit, steps)
     neg = -_f16(b[:, dmin : dmin + 2])
     shift = -(-neg * mins.astype(np.float32))  # llama.cpp's -(dmin * m), the same bits
-    return Blocks(q, unit * steps.astype(np.float32), shift, low, unit, steps, neg, mins.view(np.int8))
+    return Blocks(
+        q, unit * steps.astype(np.float32), shift, low, unit, steps, neg, mins.view(np.int8)
+    )
 
 
 def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

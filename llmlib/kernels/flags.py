@@ -28,6 +28,8 @@ variable                    values                 what it decides (default)
                                                    steps (``1``); ``0``: eager unless asked
 ``LLMLIB_INVARIANT_COMPILE``  ``0``, ``1``         the batch-invariant mode compiles too (with
                                                    AMX; without, eager was as fast or faster)
+``LLMLIB_PACKED_CACHE``     ``0``, ``1``           a quantized model's packed weights kept on disk
+                                                   after its first load and mapped at later ones
 ``LLMLIB_TP_STARTUP_TIMEOUT``  seconds             tensor-parallel ranks' start timeout (600)
 ``LLMLIB_TP_LOCAL``         ``0``, ``1``           a torchrun rank computes alone (tests)
 ``LLMLIB_AS_CPU``           ``avx2``, ``zen4``     run as that class of CPU (see below)
@@ -120,6 +122,7 @@ class Flags:
     # ---- not about the CPU ----
     cache: Path  # where fetched models live
     compile_default: bool = True  # LLM(path) and the CLI compile their CPU decode steps
+    packed_cache: bool = True  # packed weights kept on disk (llmlib.checkpoints.packed)
     tp_startup_timeout: float = 600.0
     tp_local: bool = False
     as_cpu: str = ""  # the class this machine runs as (LLMLIB_AS_CPU), "" for itself
@@ -263,6 +266,7 @@ def read(env: Mapping[str, str] | None = None, cpu: tuple[str, frozenset[str]] |
         tp_startup_timeout=tp_timeout,
         tp_local=bool(_switch(env, "LLMLIB_TP_LOCAL")),
         compile_default=_switch(env, "LLMLIB_COMPILE") is not False,
+        packed_cache=_switch(env, "LLMLIB_PACKED_CACHE") is not False,
         as_cpu=as_cpu,
         model_name=model_name,
     )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlib.kernels.weights import PackedWeight, StackedWeight
+from llmlib.kernels.stacked import StackedWeight
+from llmlib.kernels.weights import PackedWeight
 from llmlib.model.embedding import TokenEmbedding
 
 

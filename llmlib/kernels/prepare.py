@@ -38,13 +38,13 @@ from llmlib.kernels import norm as fused_norm
 from llmlib.kernels.bfloat16 import Bfloat16Weight
 from llmlib.kernels.flags import flags
 from llmlib.kernels.modules import PackedEmbedding, PackedLinear
+from llmlib.kernels.stacked import StackedWeight
 from llmlib.kernels.stream import Rows, assemble, give_back_freed_memory
 from llmlib.kernels.weights import (
     Float32Weight,
     Int4Weight,
     PackedWeight,
     RowTiles,
-    StackedWeight,
     pack_reference,
 )
 from llmlib.model.embedding import TokenEmbedding

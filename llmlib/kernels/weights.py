@@ -304,50 +304,6 @@ class Float32Weight(PlainWeight):
         destination[prefix.removesuffix(".")] = w if owns else w.contiguous().clone()
 
 
-class StackedWeight(PackedWeight):
-    """Row blocks of one matrix, each in its own layout: a fused q/k/v whose parts a GGUF file
-    stores in different block types (:class:`~llmlib.quantize.CodeParts`). Each block's product is
-    its own kernel's, and the outputs sit side by side: every part is read in its own bytes,
-    where one common layout would widen the narrow parts to the widest."""
-
-    kind = "stacked"
-
-    def __init__(self, parts: list[PackedWeight]) -> None:
-        widths = {p.shape[1] for p in parts}
-        if len(widths) != 1:
-            raise ValueError(f"StackedWeight: parts of different widths {sorted(widths)}")
-        super().__init__((sum(p.shape[0] for p in parts), widths.pop()))
-        self.parts = nn.ModuleList(parts)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0].device
-
-    @property
-    def label(self) -> str:
-        """Each part's layout once, in row order: ``int4 g32 vnni + int6 g16 vnni``."""
-        return " + ".join(dict.fromkeys(p.label for p in self.parts))
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.linear(x) for p in self.parts], dim=-1)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.dequantize()[ids]
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts])
-
-    def for_graph(self) -> PackedWeight:
-        new = [p.for_graph() for p in self.parts]
-        if all(a is b for a, b in zip(new, self.parts, strict=True)):
-            return self
-        return StackedWeight(new)
-
-
 class RowTiles(PackedWeight):
     """Any weight, multiplied ``tile`` rows at a time, the last tile padded with zero rows. BLAS
     and oneDNN pick their kernel, and with it each dot product's order of summation, from the
