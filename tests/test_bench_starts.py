@@ -17,6 +17,10 @@ def test_first_byte_is_timed_from_the_start_and_failures_say_why() -> None:
     wait = "import time, sys; time.sleep(0.3); print('x', flush=True); time.sleep(0.5)"
     s = starts.first_byte_seconds([sys.executable, "-c", wait], env)
     assert 0.3 <= s < 0.8  # the first byte, not the end of the process
+    mem: dict = {}
+    starts.first_byte_seconds([sys.executable, "-c", wait], env, memory=mem)
+    if os.path.exists("/proc/self/status"):  # Linux: the process's own memory, read at that byte
+        assert 0 < mem["rss"] <= mem["peak_rss"] < 1 << 30
     with pytest.raises(RuntimeError, match="boom"):
         starts.first_byte_seconds([sys.executable, "-c", "raise SystemExit('boom')"], env)
 
@@ -24,7 +28,7 @@ def test_first_byte_is_timed_from_the_start_and_failures_say_why() -> None:
 def test_each_format_starts_cold_then_warm_in_a_fresh_cache(monkeypatch) -> None:
     seen: list[tuple[list[str], dict]] = []
 
-    def fake(cmd: list[str], env: dict[str, str], timeout: float = 900) -> float:
+    def fake(cmd: list[str], env: dict[str, str], timeout: float = 900, memory=None) -> float:
         seen.append((cmd, env))
         return (
             40.0

@@ -287,6 +287,7 @@ def print_table(res: dict[str, Any]) -> None:
         ("load_peak_vs_resident", "peak/res", "{:8.2f}"),
         ("cold_start_s", "cold s", "{:7.1f}"),
         ("warm_start_s", "warm s", "{:7.1f}"),
+        ("start_peak_rss_bytes", "start MB", "{:8.0f}"),  # peak resident at the first token
         ("perplexity", "ppl", "{:7.3f}"),
         ("kl_vs_float32", "KL", "{:8.5f}"),
         ("greedy_agreement", "agree", "{:6.1%}"),
@@ -299,7 +300,8 @@ def print_table(res: dict[str, Any]) -> None:
             if v is None:
                 cells.append(f"{'-':>9s}")
             else:
-                v = v / 1e6 if key in ("bytes_per_token", "resident_bytes") else v
+                scaled = ("bytes_per_token", "resident_bytes", "start_peak_rss_bytes")
+                v = v / 1e6 if key in scaled else v
                 cells.append(f"{fmt.format(v):>9s}")
         print(f"  {r['name']:16s}" + "".join(cells))
     for r in res["formats"]:

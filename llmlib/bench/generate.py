@@ -275,6 +275,7 @@ def _formats_main(args: argparse.Namespace) -> int:
         for r in res["formats"]:
             got = res["starts"].get(r["name"], {})
             r["cold_start_s"], r["warm_start_s"] = got.get("cold_s"), got.get("warm_s")
+            r["start_peak_rss_bytes"] = got.get("peak_rss")
     save_json(res, args.out)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -5,7 +5,9 @@ compiled-step cache (:mod:`llmlib.runtime.aot`) pointed at an empty temporary fo
 start is cold (it compiles the decode step and stores it; inductor's caches start empty too), the
 second is warm (it loads the package). The clock runs from starting the process to the first byte of the answer on its
 standard output, so Python's start, the imports, the load, the compile or package load and
-prefill all count. llama.cpp's start is timed the same way: a fresh process that loads the same
+prefill all count. At that first byte each process's resident memory is read: its peak so far
+and now, mapped file pages included (a quantized model's packed weights are such pages on a warm
+start, :mod:`llmlib.checkpoints.packed`). llama.cpp's start is timed the same way: a fresh process that loads the same
 file and writes its first token (``llama-cpp-python``, where installed).
 """
 
@@ -41,14 +43,34 @@ sys.stdout.flush()
 """
 
 
-def first_byte_seconds(cmd: list[str], env: dict[str, str], timeout: float = 900) -> float:
+def resident(pid: int) -> dict[str, int]:
+    """A live process's resident memory in bytes (Linux): ``peak_rss`` (``VmHWM``, the most it
+    has held) and ``rss`` (``VmRSS``, now), both counting mapped file pages; {} elsewhere."""
+    keys = {"VmHWM:": "peak_rss", "VmRSS:": "rss"}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {
+                keys[line.split()[0]]: int(line.split()[1]) * 1024
+                for line in f
+                if line.split() and line.split()[0] in keys
+            }
+    except OSError:
+        return {}
+
+
+def first_byte_seconds(
+    cmd: list[str], env: dict[str, str], timeout: float = 900, memory: dict | None = None
+) -> float:
     """Seconds from starting ``cmd`` to the first byte it writes to standard output (the
-    process then runs to its end; a failure raises with its standard error)."""
+    process then runs to its end; a failure raises with its standard error). ``memory``: filled
+    with the process's :func:`resident` memory at that first byte."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert p.stdout is not None
     first = p.stdout.read(1)
     seconds = time.perf_counter() - t0
+    if memory is not None:
+        memory.update(resident(p.pid))
     try:
         _, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -82,8 +104,9 @@ def run(
             env.pop("LLMLIB_COMPILE", None)  # the default a user gets
             cmd = generate_command(path, name, comp)
             cold = first_byte_seconds(cmd, env)
-            warm = [first_byte_seconds(cmd, env) for _ in range(2)]
-        out[label] = {"cold_s": round(cold, 2), "warm_s": round(min(warm), 2)}
+            mem: dict[str, int] = {}
+            warm = [first_byte_seconds(cmd, env, memory=mem) for _ in range(2)]
+        out[label] = {"cold_s": round(cold, 2), "warm_s": round(min(warm), 2), **mem}
         log(f"start {label}: first token after {cold:.1f} s cold, {min(warm):.1f} s warm")
     if llama_cpp and _llama_cpp.available():
         cmd = [
@@ -94,7 +117,8 @@ def run(
             PROMPT,
         ]
         env = dict(os.environ)
-        first = [first_byte_seconds(cmd, env) for _ in range(3)]
-        out["llama.cpp"] = {"warm_s": round(min(first), 2)}
+        mem = {}
+        first = [first_byte_seconds(cmd, env, memory=mem) for _ in range(3)]
+        out["llama.cpp"] = {"warm_s": round(min(first), 2), **mem}
         log(f"start llama.cpp: first token after {min(first):.1f} s")
     return out
