@@ -52,9 +52,7 @@ def test_integer_kernels(kind, dtype) -> None:
     elif kind == "int4":
         packed = integer.VnniInt4Weight(quantize_int4(w, 32), dtype)
     elif kind == "int8 groups":
-        from llmlib.checkpoints.repack import widen
-
-        packed = integer.VnniInt8GroupWeight(widen(quantize_int4(w, 32), 8, 16), dtype)
+        packed = integer.VnniInt8GroupWeight(quantize_int4(w, 32).widened(8, 16), dtype)
     else:  # scales as a float unit per 256 columns times an int8 step per group (Q6_K's)
         g = torch.Generator().manual_seed(5)
         q = torch.randint(0, 256, (512, 256), generator=g).to(torch.uint8)

@@ -212,9 +212,9 @@ class VnniInt4Weight(VnniWeight):
         return f"int4 g{self.group_size} {_build_name()}"
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmlib_vnni.int4_linear(
-            x, self.w, self.d, self.m, self.du, self.mu, self.group_size
-        )
+        # no units: none, not empty tensors (AOTInductor hands an empty constant over as none)
+        du, mu = (self.du, self.mu) if self.du.numel() else (None, None)
+        return torch.ops.llmlib_vnni.int4_linear(x, self.w, self.d, self.m, du, mu, self.group_size)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         q = unpack_int4(self.w, self.shape[1], ids)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 #: bumped when what a package holds changes meaning
-VERSION = 6
+VERSION = 7  # 7: int4_linear takes float16 units (Q4_K factored), optional
 
 
 def cache_dir() -> Path:

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -562,11 +563,14 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 // x [M, K] @ int4 tiles [N / 64, K * 32] with float16 d, m [N / 64, K / group * 64], or int8
 // d, m with float16 units du, mu [N / 64, K / 256 * 64] (else empty) -> [M, N]
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
-                       const at::Tensor& m, const at::Tensor& du, const at::Tensor& mu,
-                       int64_t group) {
+                       const at::Tensor& m, const std::optional<at::Tensor>& du_,
+                       const std::optional<at::Tensor>& mu_, int64_t group) {
   const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) * 2 / TILE;
   TORCH_CHECK(K % QK == 0 && group % QK == 0 && K % group == 0, "int4_linear: bad group size");
   const bool units = d.scalar_type() == at::kChar;
+  // none (a compiled graph passes an empty constant as none) or empty: no units
+  const at::Tensor du = du_.has_value() ? *du_ : at::Tensor(), mu = mu_.has_value() ? *mu_ : at::Tensor();
+  TORCH_CHECK(!units || (du.defined() && mu.defined()), "int4_linear: int8 constants need units");
   TORCH_CHECK((d.scalar_type() == at::kHalf || units) && m.scalar_type() == d.scalar_type() &&
                   d.numel() == N * (K / group) && m.numel() == d.numel() && d.is_contiguous() &&
                   m.is_contiguous(),
@@ -574,7 +578,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   TORCH_CHECK(units ? (K % UNIT == 0 && du.scalar_type() == at::kHalf &&
                        mu.scalar_type() == at::kHalf && du.numel() == N * (K / UNIT) &&
                        mu.numel() == du.numel() && du.is_contiguous() && mu.is_contiguous())
-                    : du.numel() == 0 && mu.numel() == 0,
+                    : (!du.defined() || du.numel() == 0) && (!mu.defined() || mu.numel() == 0),
               "int4_linear: int8 constants take float16 units per 256 columns, others none");
   check_input(x_, K, "int4_linear");
   const at::Tensor x = x_.contiguous();
@@ -781,7 +785,7 @@ at::Tensor int6_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 
 TORCH_LIBRARY(llmlib_vnni, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor du, Tensor mu, int group) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor? du, Tensor? mu, int group) -> Tensor");
   lib.def("int8g_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
   lib.def("int6_linear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor u, int group) -> Tensor");
 }
