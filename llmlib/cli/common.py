@@ -125,7 +125,34 @@ def cli_engine(args: argparse.Namespace) -> Any:
 def engine_note(llm: Any) -> str:
     """The timing line's word on what ran: the weights, the engine's resolved config, and what
     compiling the step cost this start."""
-    note = f"weights {llm.model.weight_format}; decode {llm.runner.decode_path}"
+    reads = "" if getattr(llm, "_tp", None) else read_note(llm.model)  # sharded: a rank's slice
+    note = f"weights {llm.model.weight_format}{reads}; "
+    note += f"decode {llm.runner.decode_path}"
     if llm.compile_s:
         note += f" in {llm.compile_s:.1f} s"
     return note + f"; engine: {llm.engine_config.describe()}"
+
+
+def read_note(model: Any) -> str:
+    """The bytes a decode step reads from the weights as stored (:func:`llmlib.bench.formats.
+    weight_bytes`), and for a GGUF file against the file's own tensor bytes (less an untied
+    token table, of which a step reads one row): how close the layouts keep to the file."""
+    from pathlib import Path
+
+    from llmlib.bench.formats import weight_bytes
+
+    try:
+        reads = weight_bytes(model)
+    except (AttributeError, RuntimeError):  # a sharded or unusual model: say nothing
+        return ""
+    note = f", {reads / 1e9:.2f} GB read a token"
+    src = getattr(model, "source_path", None)
+    if src is not None and Path(src).suffix == ".gguf":
+        from llmlib.checkpoints.gguf import open_gguf
+
+        tied = model.config.tie_embeddings
+        f = open_gguf(src)
+        own = sum(t.nbytes for n, t in f.tensors.items() if tied or n != "token_embd.weight")
+        if own > 0:
+            note += f" ({reads / own:.2f}x the file's)"
+    return note
