@@ -634,55 +634,69 @@ const std::vector<int32_t>& sums16(const QuantizedRows& r, int64_t n) {
   return halves;
 }
 
-// one 8-bit group product, its types fixed: S columns per integer sum (16 or 32), constants C,
-// activations T; `sum` holds the activation codes' sums over every S columns, K / S per row
-template <int S, typename C, typename Mc, typename T>
-void int8g_run(const uint8_t* wp, const C* dp, const Mc* mp, const float* up, int64_t group,
+// R rows against one tile of 6- or 8-bit group codes (BITS), the same constants either way
+template <int BITS, int R, int S, typename C, typename M, typename T>
+inline void group_tile(const uint8_t* w, const C* d, const M* m, const float* u, int64_t group,
+                       const int8_t* xq, const float* sx, const int32_t* sum, int64_t K, T* y,
+                       int64_t ldy) {
+  if constexpr (BITS == 8) int8g_tile<R, S>(w, d, m, u, group, xq, sx, sum, K, y, ldy);
+  else int6_tile<R, S>(w, d, m, u, group, xq, sx, sum, K, y, ldy);
+}
+
+// one group product, its types fixed: BITS per code, S columns per integer sum (16 or 32),
+// constants C, activations T; `sum` holds the activation codes' sums over every S columns,
+// K / S per row
+template <int BITS, int S, typename C, typename Mc, typename T>
+void group_run(const uint8_t* wp, const C* dp, const Mc* mp, const float* up, int64_t group,
                const QuantizedRows& r, const int32_t* sum, int64_t M, int64_t K, int64_t tiles,
                T* yp) {
   const int64_t N = tiles * TILE, per_tile = (K / group) * TILE, nb = K / QK, ns = K / S;
-  const int64_t per_unit = (K / UNIT) * TILE;
+  const int64_t per_unit = (K / UNIT) * TILE, bytes = K * TILE * BITS / 8;
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
     for (int64_t t = a; t < e; ++t) {
-      const uint8_t* wt = wp + t * K * TILE;
+      const uint8_t* wt = wp + t * bytes;
+      const C* dt = dp + t * per_tile;
+      const Mc* mt = mp ? mp + t * per_tile : nullptr;
+      const float* ut = up ? up + t * per_unit : nullptr;
       int64_t i = 0;
-      for (; i + 2 <= M; i += 2) {  // two rows share each load of the tile
-        if (M > 2 && t + 1 < e) prefetch_slice(wt + K * TILE, K * TILE, i / 2, M / 2);
-        int8g_tile<2, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr,
-                         up ? up + t * per_unit : nullptr, group, r.q.data() + i * K,
-                         r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+      for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
+        if (M > 2 && t + 1 < e) prefetch_slice(wt + bytes, bytes, i / 2, M / 2);
+        group_tile<BITS, 2, S>(wt, dt, mt, ut, group, r.q.data() + i * K, r.scale.data() + i * nb,
+                               sum + i * ns, K, yp + i * N + t * TILE, N);
       }
       if (i < M)
-        int8g_tile<1, S>(wt, dp + t * per_tile, mp ? mp + t * per_tile : nullptr,
-                         up ? up + t * per_unit : nullptr, group, r.q.data() + i * K,
-                         r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+        group_tile<BITS, 1, S>(wt, dt, mt, ut, group, r.q.data() + i * K, r.scale.data() + i * nb,
+                               sum + i * ns, K, yp + i * N + t * TILE, N);
     }
   });
 }
 
-// x [M, K] @ 8-bit group tiles [N / 64, K * 64] (uint8, int8_linear's layout) with d, m
-// [N / 64, K / group * 64] (both float16 or both float32, or int8 d with float32 m; m empty: no
-// offsets) and, for int8 d, its float32 units u [N / 64, K / 256 * 64] (else empty) -> [M, N];
-// group 16 or a multiple of 32
-at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
-                        const at::Tensor& m, const at::Tensor& u, int64_t group) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "int8g_linear: expected contiguous uint8 tiles");
-  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / TILE;
-  TORCH_CHECK(group > 0 && K % QK == 0 && (group == 16 || group % QK == 0) && K % group == 0,
-              "int8g_linear: bad group size ", group, " for ", K, " columns");
+// x [M, K] @ group tiles of BITS-bit codes [N / 64, K * 64 * BITS / 8] (8: int8_linear's
+// layout; 6: int6_tile's) with d, m [N / 64, K / group * 64] (both float16 or both float32, or
+// int8 d with float32 m; m empty: no offsets) and, for int8 d, its float32 units u
+// [N / 64, K / 256 * 64] (else empty) -> [M, N]; group 16 or a multiple of 32
+template <int BITS>
+at::Tensor group_linear(const char* op, const at::Tensor& x_, const at::Tensor& w,
+                        const at::Tensor& d, const at::Tensor& m, const at::Tensor& u,
+                        int64_t group) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
+              ": expected contiguous uint8 tiles");
+  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / (TILE * BITS / 8);
+  TORCH_CHECK(w.size(1) == K * TILE * BITS / 8 && group > 0 && K % QK == 0 &&
+                  (group == 16 || group % QK == 0) && K % group == 0,
+              op, ": bad group size ", group, " for ", K, " columns");
   const bool units = d.scalar_type() == at::kChar;
   const at::ScalarType mt = units ? at::kFloat : d.scalar_type();
   TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || units) &&
                   d.is_contiguous() && d.numel() == N * (K / group) &&
                   (m.numel() == 0 || (m.scalar_type() == mt && m.is_contiguous() &&
                                       m.numel() == d.numel())),
-              "int8g_linear: bad constants");
+              op, ": bad constants");
   TORCH_CHECK(units ? (K % UNIT == 0 && u.scalar_type() == at::kFloat && u.is_contiguous() &&
                        u.numel() == N * (K / UNIT))
                     : u.numel() == 0,
-              "int8g_linear: int8 constants take float32 units per 256 columns, others none");
-  check_input(x_, K, "int8g_linear");
+              op, ": int8 constants take float32 units per 256 columns, others none");
+  check_input(x_, K, op);
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -698,10 +712,10 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
       const C* dp = d.data_ptr<C>();
       const Mc* mp = m.numel() ? m.data_ptr<Mc>() : nullptr;
       const float* up = units ? u.data_ptr<float>() : nullptr;
-      if (group == 16)
-        int8g_run<16>(wp, dp, mp, up, group, r, halves.data(), M, K, tiles, yp);
+      if (group == 16)  // groups of 16 take sums over 16 columns; larger ones over a block
+        group_run<BITS, 16>(wp, dp, mp, up, group, r, halves.data(), M, K, tiles, yp);
       else
-        int8g_run<QK>(wp, dp, mp, up, group, r, r.sum.data(), M, K, tiles, yp);
+        group_run<BITS, QK>(wp, dp, mp, up, group, r, r.sum.data(), M, K, tiles, yp);
     };
     if (d.scalar_type() == at::kHalf) run(at::Half{}, at::Half{});
     else if (units) run(int8_t{}, float{});
@@ -710,75 +724,14 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& w, const at::Ten
   return y;
 }
 
-// x [M, K] @ 6-bit tiles [N / 64, K * 48] (int6_tile's layout) with constants as for
-// int8g_linear, groups of 16 or a multiple of 32 -> [M, N]
-at::Tensor int6_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& d,
+at::Tensor int8g_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
+                        const at::Tensor& m, const at::Tensor& u, int64_t group) {
+  return group_linear<8>("int8g_linear", x, w, d, m, u, group);
+}
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                        const at::Tensor& m, const at::Tensor& u, int64_t group) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "int6_linear: expected contiguous uint8 tiles");
-  const int64_t tiles = w.size(0), N = tiles * TILE, K = w.size(1) / (TILE * 6 / 8);
-  TORCH_CHECK(w.size(1) == K * TILE * 6 / 8 && K % QK == 0 &&
-                  (group == 16 || (group > 0 && group % QK == 0)) && K % group == 0,
-              "int6_linear: bad group size ", group, " for ", K, " columns");
-  const bool units = d.scalar_type() == at::kChar;
-  const at::ScalarType mt = units ? at::kFloat : d.scalar_type();
-  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || units) &&
-                  d.is_contiguous() && d.numel() == N * (K / group) &&
-                  (m.numel() == 0 || (m.scalar_type() == mt && m.is_contiguous() &&
-                                      m.numel() == d.numel())),
-              "int6_linear: bad constants");
-  TORCH_CHECK(units ? (K % UNIT == 0 && u.scalar_type() == at::kFloat && u.is_contiguous() &&
-                       u.numel() == N * (K / UNIT))
-                    : u.numel() == 0,
-              "int6_linear: int8 constants take float32 units per 256 columns, others none");
-  check_input(x_, K, "int6_linear");
-  const at::Tensor x = x_.contiguous();
-  const int64_t M = x.size(0), bytes = K * TILE * 6 / 8;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedRows& r = quantize_rows(x);
-  const std::vector<int32_t>& halves = group == 16 ? sums16(r, M * K) : r.sum;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    auto run = [&](auto ctag, auto mtag) {
-      using C = decltype(ctag);
-      using Mc = decltype(mtag);
-      const C* dp = d.data_ptr<C>();
-      const Mc* mp = m.numel() ? m.data_ptr<Mc>() : nullptr;
-      const float* up = units ? u.data_ptr<float>() : nullptr;
-      const int64_t per_tile = (K / group) * TILE, per_unit = (K / UNIT) * TILE;
-      const int64_t nb = K / QK;
-      at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
-        for (int64_t t = a; t < e; ++t) {
-          const uint8_t* wt = wp + t * bytes;
-          const C* dt = dp + t * per_tile;
-          const Mc* mt_ = mp ? mp + t * per_tile : nullptr;
-          const float* ut = up ? up + t * per_unit : nullptr;
-          auto tile = [&](auto rows, auto cols, int64_t i, const int32_t* sums, int64_t per) {
-            int6_tile<decltype(rows)::value, decltype(cols)::value>(
-                wt, dt, mt_, ut, group, r.q.data() + i * K, r.scale.data() + i * nb,
-                sums + i * per, K, yp + i * N + t * TILE, N);
-          };
-          auto rows_of = [&](auto cols, const int32_t* sums, int64_t per) {
-            int64_t i = 0;
-            for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
-              if (M > 2 && t + 1 < e) prefetch_slice(wt + bytes, bytes, i / 2, M / 2);
-              tile(std::integral_constant<int, 2>{}, cols, i, sums, per);
-            }
-            if (i < M) tile(std::integral_constant<int, 1>{}, cols, i, sums, per);
-          };
-          // groups of 16 take sums over 16 columns; larger ones over an activation block
-          if (group == 16) rows_of(std::integral_constant<int, 16>{}, halves.data(), K / 16);
-          else rows_of(std::integral_constant<int, 32>{}, r.sum.data(), nb);
-        }
-      });
-    };
-    if (d.scalar_type() == at::kHalf) run(at::Half{}, at::Half{});
-    else if (units) run(int8_t{}, float{});
-    else run(float{}, float{});
-  });
-  return y;
+  return group_linear<6>("int6_linear", x, w, d, m, u, group);
 }
 
 }  // namespace
