@@ -89,6 +89,20 @@ def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
         help=compile_help + " (default: on a CPU, unless --speculative or LLMLIB_COMPILE=0)",
     )
     ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
+    add_kv_cache_arg(ap)
+
+
+def add_kv_cache_arg(ap: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: how the engine's KV pool holds keys and values."""
+    from llmlib.engine.paged_cache import KV_CACHE_DTYPES
+
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: keys and values in the activations' dtype (default); int8: one byte each "
+        "and a scale per head and token, about half bfloat16's bytes (CPU)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
@@ -105,6 +119,7 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
         quantization=quantization,
         group_size=getattr(args, "group_size", None),
         compile=getattr(args, "compile", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         speculative_config=SpeculativeConfig.parse(spec) if spec else None,
         **fields,
     )

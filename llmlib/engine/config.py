@@ -43,6 +43,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
+    #: how the pool holds keys and values (:data:`llmlib.engine.paged_cache.KV_CACHE_DTYPES`):
+    #: ``auto`` in the activations' dtype, ``int8`` as codes with a scale per row (CPU)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     compile: bool | None = None
@@ -63,6 +66,20 @@ class EngineConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v <= 0
             ):
                 raise ValueError(f"EngineConfig: {name} must be a positive integer, got {v!r}")
+        from llmlib.engine.paged_cache import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig: kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and (
+            self.batch_invariant or self.tensor_parallel_size != 1
+        ):
+            what = "batch_invariant=True" if self.batch_invariant else "tensor_parallel_size > 1"
+            raise ValueError(
+                f"LLM: kv_cache_dtype={self.kv_cache_dtype!r} with {what}: not implemented, for now"
+            )
         if self.run_mode is not None and self.run_mode not in RUN_MODES:
             raise ValueError(f"EngineConfig: run_mode must be one of {RUN_MODES}")
         asked = [k for k in ("compile", "quantization", "batch_invariant") if getattr(self, k)]
@@ -109,6 +126,7 @@ class EngineConfig:
         slice: its KV heads size the pool). ``source`` is what ``LLM`` was given: a checkpoint
         compiles by default on a CPU, a model not (:func:`llmlib.device.compiles_by_default`)."""
         from llmlib.device import compiles_by_default
+        from llmlib.engine.paged_cache import kv_bytes_per_value
         from llmlib.shapes import kv_cache_bytes as kv_formula
 
         p = next(model.parameters())
@@ -125,14 +143,22 @@ class EngineConfig:
                 "compile=True compiles the CPU engine's decode steps: "
                 "on CUDA the decode steps replay CUDA graphs"
             )
+        if self.kv_cache_dtype != "auto" and device.type != "cpu":
+            # the GPU kernels read float pools: an int8 one would be copied out every step
+            raise ValueError(
+                f"LLM: kv_cache_dtype={self.kv_cache_dtype!r} is read by the CPU kernel; "
+                f"on {device.type} use 'auto'"
+            )
         max_len = min(cfg.max_seq_len, self.max_model_len or cfg.max_seq_len)
         num_blocks = self.num_blocks or default_num_blocks(
-            cfg, device, dtype, self.block_size, max_len, self.max_num_seqs, self.kv_cache_bytes
-        )
+            cfg, device, dtype, self.block_size, max_len, self.max_num_seqs, self.kv_cache_bytes,
+            self.kv_cache_dtype,
+        )  # fmt: skip
         budget = self.max_num_batched_tokens or (2048 if device.type == "cuda" else 512)
         per_block = kv_formula(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.block_size, dtype.itemsize
-        )
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.block_size,
+            kv_bytes_per_value(self.kv_cache_dtype, dtype, cfg.head_dim),
+        )  # fmt: skip
         return self.replace(
             kv_cache_bytes=int(num_blocks * per_block),
             device=device,
@@ -167,6 +193,8 @@ class EngineConfig:
         )
         tp = f", {self.tensor_parallel_size} ranks" if self.tensor_parallel_size != 1 else ""
         pool = f" ({self.kv_cache_bytes / 2**20:.0f} MiB)" if self.kv_cache_bytes else ""
+        if self.kv_cache_dtype != "auto":
+            pool += f" in {self.kv_cache_dtype}"
         return (
             f"{self.device}, {fmt}, steps {self.run_mode}{tp}; {self.num_blocks} KV blocks of "
             f"{self.block_size}{pool}, up to {self.max_num_seqs} sequences and "
@@ -187,15 +215,18 @@ def default_num_blocks(
     max_len: int,
     max_num_seqs: int,
     kv_cache_bytes: int | None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """The KV pool's size without ``num_blocks``: ``kv_cache_bytes`` worth (default: 80% of a
     GPU's free memory; on a CPU 1 GiB, or half of what is free if less, so a big model on a small
     machine gets the pool that fits beside it), at most ``max_num_seqs`` full sequences' worth."""
     from llmlib.device import free_memory
+    from llmlib.engine.paged_cache import kv_bytes_per_value
     from llmlib.shapes import kv_cache_bytes as kv_formula
 
+    per_value = kv_bytes_per_value(kv_cache_dtype, dtype, config.head_dim)
     per_block = kv_formula(
-        config.n_layers, config.n_kv_heads, config.head_dim, block_size, dtype.itemsize
+        config.n_layers, config.n_kv_heads, config.head_dim, block_size, per_value
     )
     if kv_cache_bytes is None:
         free = free_memory(device)

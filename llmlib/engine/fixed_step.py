@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from llmlib.engine.paged_cache import (
+    SCALE_BYTES,
     DecodeGroup,
     PagedKVCache,
     SeqChunk,
@@ -373,6 +374,10 @@ def pool_over(k: list[torch.Tensor], v: list[torch.Tensor]) -> PagedKVCache:
     pool.k, pool.v = k, v
     pool.num_blocks, pool.block_size, pool.n_kv_heads, pool.head_dim = k[0].shape
     pool.n_layers, pool.device, pool.dtype = len(k), k[0].device, k[0].dtype
+    pool.kv_cache_dtype = "auto"
+    if k[0].dtype == torch.int8:  # codes and a scale per row (paged_cache.quantize_rows)
+        pool.head_dim -= SCALE_BYTES
+        pool.kv_cache_dtype = "int8"
     pool.kernel = serves_pool(k[0])
     return pool
 
@@ -434,6 +439,8 @@ def load_package(
         aot.export_and_package(wrapper, model, args, shapes, path, log, what)
 
     kind = f"engine-{'one' if one_row else 'heads'}-bs{cache.block_size}"
+    if cache.kv_cache_dtype != "auto":  # the pools are inputs of another dtype and width
+        kind += f"-kv-{cache.kv_cache_dtype}"
     loaded, cached = aot.load_step(model, kind, wrapper, compile, log)
     if loaded is None:
         return None, False

@@ -112,6 +112,7 @@ class LLM:
                 self.runner = ModelRunner(
                     self.model, ec.num_blocks, ec.block_size, mode=ec.run_mode,
                     max_rows=ec.max_num_seqs, max_model_len=ec.max_model_len,
+                    kv_cache_dtype=ec.kv_cache_dtype,
                 )  # fmt: skip
                 # a step compiled in memory compiles now, before any request waits for it
                 self.runner.compile_now(min(32, ec.max_num_seqs))

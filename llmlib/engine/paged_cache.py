@@ -18,6 +18,14 @@ keeps the cache contract (:class:`llmlib.model.attention.KVCacheLike`) two ways:
 
 A sliding-window layer (Mistral, Gemma's local layers) has ``spec.window = W`` (``update``'s
 ``window``): masks and kernel hide keys ``W`` or more positions back; every block stays allocated.
+
+``kv_cache_dtype="int8"`` (:data:`KV_CACHE_DTYPES`) stores each (token, head) row of a key or
+value as ``head_dim`` int8 codes followed by its float32 scale, ``[..., head_dim + 4]`` int8:
+a row is rounded once, when written (:func:`quantize_rows`), and read in one place, by the kernel
+as it lies and elsewhere widened back (:func:`dequantize_rows`). The pool stays one tensor per
+layer, so a compiled step takes it as it takes a float pool. At ``head_dim`` 64 that is 1.06
+bytes a value against bfloat16's 2: llama.cpp's ``q8_0`` cache (32 codes and a float16 scale)
+takes the same.
 """
 
 from __future__ import annotations
@@ -32,9 +40,47 @@ from llmlib.kernels.paged_attention import decode_attention, serves_pool, serves
 from llmlib.model.attention import AttentionSpec
 from llmlib.shapes import kv_cache_bytes
 
+#: how the pool holds keys and values: ``auto`` in the model's dtype, ``int8`` as codes with a
+#: scale per row (the names vLLM's ``kv_cache_dtype`` and llama.cpp's cache types use)
+KV_CACHE_DTYPES = ("auto", "int8")
+
+#: bytes an int8 row carries beyond its codes: the float32 scale
+SCALE_BYTES = 4
+
+
+def kv_bytes_per_value(kv_cache_dtype: str, dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes one key or value element takes in the pool (an int8 row's scale shared out)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "int8":
+        return (head_dim + SCALE_BYTES) / head_dim
+    return dtype.itemsize
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., D]`` -> ``[..., D + 4]`` int8: ``round(x / s)`` with ``s = max|x| / 127``
+    per row, then ``s``'s four bytes (symmetric: a key's sign carries meaning)."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    codes = torch.round(x * (127.0 / amax.clamp_min(torch.finfo(torch.float32).tiny)))
+    return torch.cat([codes.to(torch.int8), (amax / 127.0).view(torch.int8)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Int8 rows ``[..., D + 4]`` -> ``[..., D]`` in ``dtype``: each code times its row's scale."""
+    D = rows.shape[-1] - SCALE_BYTES
+    return (rows[..., :D].float() * rows[..., D:].view(torch.float32)).to(dtype)
+
+
+def read_blocks(pool: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``blocks`` of a pool, ``[n, block_size, Hkv, D]`` in ``dtype`` (int8: widened)."""
+    rows = pool.index_select(0, blocks)
+    return dequantize_rows(rows, dtype) if pool.dtype == torch.int8 else rows
+
 
 class PagedKVCache:
-    """The block pools of all layers (allocated once, at engine start)."""
+    """The block pools of all layers (allocated once, at engine start). ``dtype`` is what
+    attention computes in; ``kv_cache_dtype`` how the pool holds it (:data:`KV_CACHE_DTYPES`)."""
 
     def __init__(
         self,
@@ -46,7 +92,9 @@ class PagedKVCache:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        kv_bytes_per_value(kv_cache_dtype, dtype, head_dim)  # checks the name
         for name, v in (
             ("n_layers", n_layers),
             ("num_blocks", num_blocks),
@@ -59,10 +107,13 @@ class PagedKVCache:
         self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        coded = kv_cache_dtype == "int8"
+        shape = (num_blocks, block_size, n_kv_heads, head_dim + (SCALE_BYTES if coded else 0))
+        held = torch.int8 if coded else dtype
         # on the CPU torch.zeros maps pages lazily: only blocks written to commit memory
-        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, device=self.device, dtype=held) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=held) for _ in range(n_layers)]
         self.kernel = serves_pool(self.k[0])  # decode by llmlib.kernels.paged_attention
 
     @property
@@ -74,7 +125,7 @@ class PagedKVCache:
                 self.n_kv_heads,
                 self.head_dim,
                 self.block_size,
-                self.k[0].element_size(),
+                kv_bytes_per_value(self.kv_cache_dtype, self.dtype, self.head_dim),
             )
         )
 
@@ -155,13 +206,15 @@ def write_kv(
 ) -> None:
     """Scatter the new keys/values ``[B, Hkv, T, hd]`` of ``layer`` into their pool slots."""
     B, H, T, D = k.shape
-    flat = (-1, H, D)
     # [B*T, Hkv, hd]; a view for the model's q/k/v split
     k_new = k.transpose(1, 2).reshape(B * T, H, D)
     v_new = v.transpose(1, 2).reshape(B * T, H, D)
     if layout.write_index is not None:  # drop padding columns
         k_new, v_new = k_new[layout.write_index], v_new[layout.write_index]
     kp, vp = cache.k[layer], cache.v[layer]
+    if kp.dtype == torch.int8:  # rounded once, here
+        k_new, v_new = quantize_rows(k_new), quantize_rows(v_new)
+    flat = (-1, H, kp.shape[-1])
     kp.view(flat).index_copy_(0, layout.write_slots, k_new.to(kp.dtype))
     vp.view(flat).index_copy_(0, layout.write_slots, v_new.to(vp.dtype))
 
@@ -184,8 +237,8 @@ def paged_attend(
     kp, vp = cache.k[layer], cache.v[layer]
     out = q.new_zeros(B, T, H, D)  # token-major, so the caller's transpose back is a view
     for c in layout.prefills:
-        kc = kp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
-        vc = vp.index_select(0, c.blocks).view(-1, Hkv, D)[: c.end].permute(1, 0, 2).unsqueeze(0)
+        kc = read_blocks(kp, c.blocks, q.dtype).view(-1, Hkv, D)[: c.end].permute(1, 0, 2)[None]
+        vc = read_blocks(vp, c.blocks, q.dtype).view(-1, Hkv, D)[: c.end].permute(1, 0, 2)[None]
         o = spec(q[c.row : c.row + 1, :, c.col : c.col + c.length], kc, vc)  # [1, H, n, D]
         out[c.row, c.col : c.col + c.length] = o[0].transpose(0, 1)
     fast = cache.kernel and serves_spec(spec)
@@ -202,8 +255,8 @@ def paged_attend(
         # the query heads sharing a KV head ride as its "queries" [n, Hkv, H / Hkv, D] under one
         # mask: plain multi-head attention, which no backend has to expand for GQA
         qd = q[g.rows, :, g.cols].view(n, Hkv, H // Hkv, D)
-        kd = kp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
-        vd = vp.index_select(0, g.table).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
+        kd = read_blocks(kp, g.table, q.dtype).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
+        vd = read_blocks(vp, g.table, q.dtype).view(n, g.n_blocks * bs, Hkv, D).transpose(1, 2)
         mask = g.mask
         if window is not None:  # keys at or before the query, and within its window
             q_pos = layout.positions[g.rows, g.cols].view(n, 1, 1, 1)
@@ -313,8 +366,9 @@ class PagedStep:
         bs, H, D = self.cache.block_size, self.cache.n_kv_heads, self.cache.head_dim
         kp, vp = self.cache.k[layer], self.cache.v[layer]
         # [B * nb, bs, H, D] -> [B, nb * bs, H, D] (a view) -> [B, H, S, D] (a view)
-        k_all = kp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
-        v_all = vp.index_select(0, gather.view(-1)).view(B, nb * bs, H, D).transpose(1, 2)
+        dt = k.dtype
+        k_all = read_blocks(kp, gather.view(-1), dt).view(B, nb * bs, H, D).transpose(1, 2)
+        v_all = read_blocks(vp, gather.view(-1), dt).view(B, nb * bs, H, D).transpose(1, 2)
         return k_all, v_all, mask
 
     def _dense_view(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

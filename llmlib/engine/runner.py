@@ -47,6 +47,7 @@ class ModelRunner:
         mode: str = "eager",
         max_rows: int = 64,
         max_model_len: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from llmlib.runtime.aot import print_progress
 
@@ -63,6 +64,7 @@ class ModelRunner:
             cfg.head_dim,
             device=self.device,
             dtype=self.dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.mode = mode
         max_blocks = -(-(max_model_len or cfg.max_seq_len) // block_size)

@@ -13,7 +13,8 @@ walks a block table instead, reads each key and value once where it lies, stops 
 sequence's length and keeps the softmax running (flash attention's online form), so no sequence
 pays for another's padding or for unused slots.
 
-It serves on a CPU with AVX-512 or AVX2 and FMA, a compiler, float32 or bfloat16 caches, heads
+It serves on a CPU with AVX-512 or AVX2 and FMA, a compiler, float32, bfloat16 or int8 caches
+(int8: codes and a scale per row, :func:`llmlib.engine.paged_cache.quantize_rows`), heads
 a multiple of 16, a layer asking for the fused function (:func:`serves_spec`) and
 ``LLMLIB_PAGED_KERNEL`` not ``0`` (:attr:`llmlib.kernels.flags.Flags.paged_kernel`); elsewhere
 PyTorch's operators, the tests' reference. On CUDA the same entry points go to the Triton
@@ -62,8 +63,8 @@ def serves_pool(k_pool: torch.Tensor) -> bool:
         return flags().paged_kernel and paged_triton.serves(k_pool)
     return (
         k_pool.device.type == "cpu"
-        and k_pool.dtype in (torch.float32, torch.bfloat16)
-        and k_pool.shape[-1] % 16 == 0
+        and k_pool.dtype in (torch.float32, torch.bfloat16, torch.int8)
+        and (k_pool.shape[-1] - (4 if k_pool.dtype == torch.int8 else 0)) % 16 == 0
         and available()
     )
 

@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     from llmlib.speculative.config import SPEC_HELP, SpeculativeConfig
 
     ap.add_argument("--speculative", default=None, metavar="SPEC", help=SPEC_HELP)
+    from llmlib.cli.common import add_kv_cache_arg
+
+    add_kv_cache_arg(ap)
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     try:
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         compile=args.compile,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=spec,
     )
     name = args.served_model_name or name

@@ -10,7 +10,11 @@
 // flash attention), so nothing of size "keys" is ever written.
 //
 //   pool layout: [num_blocks, block_size, kv_heads, head_dim], token-major (llmlib.engine.paged_cache)
-//   q:           [n, heads, head_dim], the same dtype as the pool (float32 or bfloat16)
+//   q:           [n, heads, head_dim], float32 or bfloat16: the pool's dtype, or either over an
+//                int8 pool
+//   int8 pools:  [num_blocks, block_size, kv_heads, head_dim + 4]: each (token, head) row holds
+//                head_dim codes, then its float32 scale in four bytes (x = code * scale), so a
+//                row is read in one place and the pool stays one tensor (kv_cache_dtype="int8")
 //   table:       [n, max_blocks] int64, the blocks of each sequence in order (padding unread)
 //   lens:        [n] int64, keys each query sees: its position + 1
 //   window:      > 0: only the last `window` of those keys (a sliding-window layer)
@@ -30,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,6 +51,9 @@ inline V16 vload(const c10::BFloat16* p) {
   // a bfloat16 is the top half of a float32: widen to 32 bits and shift into place
   __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16))};
+}
+inline V16 vload(const int8_t* p) {  // sixteen int8 codes, widened to floats
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
 inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.x); }
 inline V16 vset(float f) { return {_mm512_set1_ps(f)}; }
@@ -76,6 +84,10 @@ inline __m256 widen8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 inline V16 vload(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline __m256 codes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V16 vload(const int8_t* p) { return {codes8(p), codes8(p + 8)}; }
 inline void vstore(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -124,12 +136,27 @@ inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t D) {
 constexpr int64_t CHUNK = 16;  // keys scored, exponentiated and summed together (one vector)
 constexpr int64_t MAXG = 8;    // query heads per pass over a KV head's keys (registers)
 
+// The scale of an int8 pool row: the four bytes after its codes (1 for a float pool, unused).
+template <typename K>
+inline float row_scale(const K* row, int64_t D) {
+  if constexpr (std::is_same_v<K, int8_t>) {
+    float f;
+    std::memcpy(&f, row + D, sizeof f);
+    return f;
+  } else {
+    return 1.0f;
+  }
+}
+
 // Query heads q[0..G) (G at compile time, so their partial sums live in registers) that share
-// one KV head, over keys start..len-1 of one sequence; out[g] = softmax(q[g] K) V.
-template <typename T, int G>
-void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blocks, int64_t len,
+// one KV head, over keys start..len-1 of one sequence; out[g] = softmax(q[g] K) V. A pool row is
+// R elements apart (D, or D + 4 for int8 codes and their scale); an int8 key's scale multiplies
+// its scores, an int8 value's the weight it is summed with.
+template <typename Q, typename K, int G>
+void attend_heads(const Q* q, const K* kpool, const K* vpool, const int64_t* blocks, int64_t len,
                   int64_t window, float scale, float softcap, int64_t bs, int64_t hkv, int64_t h,
-                  int64_t D, float* out, float* buf) {
+                  int64_t D, int64_t R, float* out, float* buf) {
+  constexpr bool coded = std::is_same_v<K, int8_t>;
   const int64_t nv = D / 16;
   float* qf = buf;            // [G, D] queries, scaled
   float* acc = qf + G * D;    // [G, D] running sum of probability-weighted values
@@ -152,7 +179,7 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
   auto rows_of = [&](int64_t t, int64_t n, int64_t* r) {
     int64_t b = t / bs, o = t % bs;  // block and slot of key t, then stepped key by key
     for (int64_t j = 0; j < n; ++j) {
-      r[j] = ((blocks[b] * bs + o) * hkv + h) * D;
+      r[j] = ((blocks[b] * bs + o) * hkv + h) * R;
       if (++o == bs) o = 0, ++b;
     }
   };
@@ -163,8 +190,8 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
     if (n2 > 0) {  // ask for the next keys and values now: the blocks lie anywhere
       rows_of(t0 + cnt, n2, nxt);
       for (int64_t j = 0; j < n2; ++j) {
-        prefetch_rows(kpool + nxt[j], 1, 0, D);
-        prefetch_rows(vpool + nxt[j], 1, 0, D);
+        prefetch_rows(kpool + nxt[j], 1, 0, R);
+        prefetch_rows(vpool + nxt[j], 1, 0, R);
       }
     }
     for (int64_t j = 0; j < cnt; ++j) {  // scores: every query head, one key at a time
@@ -174,7 +201,12 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
         const V16 k = vload(kpool + cur[j] + v * 16);
         for (int g = 0; g < G; ++g) part[g] = vfma(vload(qf + g * D + v * 16), k, part[g]);
       }
-      for (int g = 0; g < G; ++g) s[g * CHUNK + j] = vsum(part[g]);
+      if constexpr (coded) {
+        const float ks = row_scale(kpool + cur[j], D);
+        for (int g = 0; g < G; ++g) s[g * CHUNK + j] = vsum(part[g]) * ks;
+      } else {
+        for (int g = 0; g < G; ++g) s[g * CHUNK + j] = vsum(part[g]);
+      }
     }
     V16 al[G];
     for (int g = 0; g < G; ++g) {  // the online softmax: rescale what came before
@@ -191,6 +223,12 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
       sum[g] = sum[g] * alpha + vsum(vload(sg));
       mx[g] = m;
       al[g] = vset(alpha);
+    }
+    if constexpr (coded) {  // from here a weight multiplies codes: fold each value's scale in
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float vs = row_scale(vpool + cur[j], D);
+        for (int g = 0; g < G; ++g) s[g * CHUNK + j] *= vs;
+      }
     }
     for (int64_t v = 0; v < nv; ++v) {  // the values, weighted: G running sums per slice
       V16 a[G];
@@ -211,34 +249,34 @@ void attend_heads(const T* q, const T* kpool, const T* vpool, const int64_t* blo
   }
 }
 
-template <typename T>
-using HeadsFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float,
-                         float, int64_t, int64_t, int64_t, int64_t, float*, float*);
+template <typename Q, typename K>
+using HeadsFn = void (*)(const Q*, const K*, const K*, const int64_t*, int64_t, int64_t, float,
+                         float, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*);
 
-template <typename T>
-HeadsFn<T> heads_fn(int64_t g) {
+template <typename Q, typename K>
+HeadsFn<Q, K> heads_fn(int64_t g) {
   switch (g) {
-    case 1: return attend_heads<T, 1>;
-    case 2: return attend_heads<T, 2>;
-    case 3: return attend_heads<T, 3>;
-    case 4: return attend_heads<T, 4>;
-    case 5: return attend_heads<T, 5>;
-    case 6: return attend_heads<T, 6>;
-    case 7: return attend_heads<T, 7>;
-    default: return attend_heads<T, 8>;
+    case 1: return attend_heads<Q, K, 1>;
+    case 2: return attend_heads<Q, K, 2>;
+    case 3: return attend_heads<Q, K, 3>;
+    case 4: return attend_heads<Q, K, 4>;
+    case 5: return attend_heads<Q, K, 5>;
+    case 6: return attend_heads<Q, K, 6>;
+    case 7: return attend_heads<Q, K, 7>;
+    default: return attend_heads<Q, K, 8>;
   }
 }
 
-template <typename T>
+template <typename Q, typename K>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
          const at::Tensor& lens, double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k.size(1), hkv = k.size(2), maxb = table.size(1);
+  const int64_t bs = k.size(1), hkv = k.size(2), R = k.size(3), maxb = table.size(1);
   const int64_t G = H / hkv;              // query heads per KV head
   const int64_t parts = (G + MAXG - 1) / MAXG;  // passes over each KV head's keys
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
+  const K* kp = k.data_ptr<K>();
+  const K* vp = v.data_ptr<K>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -248,9 +286,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       const int64_t i = w / (hkv * parts), h = (w / parts) % hkv, c = w % parts;
       const int64_t g0 = c * MAXG, ng = std::min(MAXG, G - g0);
       const int64_t head = h * G + g0;  // first query head of this pass
-      heads_fn<T>(ng)(qp + (i * H + head) * D, kp, vp, tp + i * maxb, lp[i], window,
-                      float(scale), float(softcap), bs, hkv, h, D, op + (i * H + head) * D,
-                      buf.data());
+      heads_fn<Q, K>(ng)(qp + (i * H + head) * D, kp, vp, tp + i * maxb, lp[i], window,
+                         float(scale), float(softcap), bs, hkv, h, D, R, op + (i * H + head) * D,
+                         buf.data());
     }
   });
 }
@@ -260,9 +298,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
               "decode_attention: q [n, H, D], pools [blocks, block_size, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q and the pools must share a dtype");
-  TORCH_CHECK(q.size(2) == k.size(3) && q.size(2) % 16 == 0, "decode_attention: head_dim % 16");
+  const bool coded = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (coded || q.scalar_type() == k.scalar_type()),
+              "decode_attention: q and the pools must share a dtype (or the pools be int8)");
+  TORCH_CHECK(q.size(2) + (coded ? 4 : 0) == k.size(3) && q.size(2) % 16 == 0,
+              "decode_attention: pool rows of head_dim (int8: head_dim + 4), head_dim % 16");
   TORCH_CHECK(q.size(1) % k.size(2) == 0, "decode_attention: heads must be a multiple of Hkv");
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
                   table.dim() == 2 && table.size(0) == q.size(0) && lens.numel() == q.size(0),
@@ -273,12 +313,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto lens_max = q.size(0) ? lens.max().item<int64_t>() : 0;
   TORCH_CHECK(lens_max <= table.size(1) * k.size(1), "decode_attention: lens exceed the table");
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kFloat)
-    run<float>(q, k, v, table, lens, scale, window, softcap, out);
-  else if (q.scalar_type() == at::kBFloat16)
-    run<c10::BFloat16>(q, k, v, table, lens, scale, window, softcap, out);
+  const auto qt = q.scalar_type();
+  if (qt == at::kFloat && !coded)
+    run<float, float>(q, k, v, table, lens, scale, window, softcap, out);
+  else if (qt == at::kBFloat16 && !coded)
+    run<c10::BFloat16, c10::BFloat16>(q, k, v, table, lens, scale, window, softcap, out);
+  else if (qt == at::kFloat)
+    run<float, int8_t>(q, k, v, table, lens, scale, window, softcap, out);
+  else if (qt == at::kBFloat16)
+    run<c10::BFloat16, int8_t>(q, k, v, table, lens, scale, window, softcap, out);
   else
-    TORCH_CHECK(false, "decode_attention: float32 or bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 queries, got ", qt);
   return out;
 }
 
