@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from llmlib.config import ModelConfig
-from llmlib.engine.paged_cache import (
+from llmlib.engine.kv_rows import (
     KV_CACHE_DTYPES,
-    PagedKVCache,
-    SeqChunk,
     dequantize_rows,
     kv_bytes_per_value,
     quantize_rows,
 )
+from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.kernels import native
 from llmlib.kernels import paged_attention as paged_kernel
 from llmlib.model.attention import AttentionSpec

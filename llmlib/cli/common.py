@@ -94,7 +94,7 @@ def add_decode_args(ap: argparse.ArgumentParser, compile_help: str) -> None:
 
 def add_kv_cache_arg(ap: argparse.ArgumentParser) -> None:
     """``--kv-cache-dtype``: how the engine's KV pool holds keys and values."""
-    from llmlib.engine.paged_cache import KV_CACHE_DTYPES
+    from llmlib.engine.kv_rows import KV_CACHE_DTYPES
 
     ap.add_argument(
         "--kv-cache-dtype",

@@ -66,7 +66,7 @@ class EngineConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v <= 0
             ):
                 raise ValueError(f"EngineConfig: {name} must be a positive integer, got {v!r}")
-        from llmlib.engine.paged_cache import KV_CACHE_DTYPES
+        from llmlib.engine.kv_rows import KV_CACHE_DTYPES
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
@@ -126,7 +126,7 @@ class EngineConfig:
         slice: its KV heads size the pool). ``source`` is what ``LLM`` was given: a checkpoint
         compiles by default on a CPU, a model not (:func:`llmlib.device.compiles_by_default`)."""
         from llmlib.device import compiles_by_default
-        from llmlib.engine.paged_cache import kv_bytes_per_value
+        from llmlib.engine.kv_rows import kv_bytes_per_value
         from llmlib.shapes import kv_cache_bytes as kv_formula
 
         p = next(model.parameters())
@@ -221,7 +221,7 @@ def default_num_blocks(
     GPU's free memory; on a CPU 1 GiB, or half of what is free if less, so a big model on a small
     machine gets the pool that fits beside it), at most ``max_num_seqs`` full sequences' worth."""
     from llmlib.device import free_memory
-    from llmlib.engine.paged_cache import kv_bytes_per_value
+    from llmlib.engine.kv_rows import kv_bytes_per_value
     from llmlib.shapes import kv_cache_bytes as kv_formula
 
     per_value = kv_bytes_per_value(kv_cache_dtype, dtype, config.head_dim)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmlib.engine.kv_rows import SCALE_BYTES
 from llmlib.engine.paged_cache import (
-    SCALE_BYTES,
     DecodeGroup,
     PagedKVCache,
     SeqChunk,
