@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,21 @@ def windows(n: int, context: int, stride: int) -> Iterator[tuple[int, int, int]]
         prev_end = end
         if end == n:
             break
+
+
+def over_windows(nll_of_window, n: int, context: int, stride: int) -> dict[str, Any]:
+    """Perplexity of ``n`` tokens over :func:`windows`, where ``nll_of_window(begin, end,
+    first)`` returns a window's summed NLL: how an engine or a peer that is not a module (the
+    batching engine's prompt log-probabilities, llama.cpp's logits) is scored the same way."""
+    total, count, nwin = 0.0, 0, 0
+    for begin, end, first in windows(n, context, stride):
+        total += nll_of_window(begin, end, first)
+        count += end - first
+        nwin += 1
+    if count == 0:
+        raise ValueError("perplexity needs at least two tokens")
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count,
+            "windows": nwin}  # fmt: skip
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""llama.cpp as the peer of ``llmlib bench generate --formats``: each format against llama.cpp at
-the same number of bits per weight, on the same weights.
+"""llama.cpp as the peer of ``llmlib bench generate --formats`` (each format against llama.cpp
+at the same number of bits per weight, on the same weights) and of ``bench depth`` (long prompts,
+and the KV cache in llama.cpp's matching type: :data:`KV_CACHE_TYPES`).
 
 The book's model comes as one Q4_1 file, and llmlib's float32, bfloat16 and int8 formats are that
 file's weights widened or re-rounded. llama.cpp's own quantizer (``llama_model_quantize``, in
@@ -16,9 +17,10 @@ on its speed, not its best; its decode is the same either way.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
+from typing import Any
 
 #: llmlib format -> the llama.cpp type it is measured against (None: the file as it is)
 PEER_TYPES: dict[str, str | None] = {
@@ -93,12 +95,54 @@ def copy_of(path: Path, kind: str | None, threads: int = 2) -> Path:
     return out
 
 
+#: llmlib's KV cache type -> llama.cpp's type of its keys and values (a ggml type number; None:
+#: its default, F16), that type's name and its bytes a value (q8_0: 32 values and a float16 scale)
+KV_CACHE_TYPES: dict[str, tuple[int | None, str, float]] = {
+    "auto": (None, "f16", 2.0),
+    "int8": (8, "q8_0", 34 / 32),  # GGML_TYPE_Q8_0
+}
+
+
+def llama(path: Path, kv: str, threads: int, n_ctx: int, logits_all: bool = False) -> Any:
+    """llama.cpp on ``path`` with ``kv``'s cache type (:data:`KV_CACHE_TYPES`) for keys and
+    values, and flash attention on for every type (a quantized value cache needs it)."""
+    from llama_cpp import Llama
+
+    ggml_type = KV_CACHE_TYPES[kv][0]
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch(), n_threads=threads,
+                 n_threads_batch=threads, flash_attn=True, type_k=ggml_type, type_v=ggml_type,
+                 logits_all=logits_all, verbose=False)  # fmt: skip
+
+
+def greedy(llm: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+    """``new_tokens`` greedy tokens after ``ids``: the tokens, the seconds a decode step took
+    (the mean after the first token) and the prompt's seconds."""
+    import numpy as np
+
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:  # the newest token's logits, straight from the context
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    llm.reset()
+    t0 = perf_counter()
+    llm.eval(ids)
+    tok = last_argmax()
+    prefill = perf_counter() - t0
+    toks = [tok]
+    t0 = perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([tok])
+        tok = last_argmax()
+        toks.append(tok)
+    return toks, (perf_counter() - t0) / max(new_tokens - 1, 1), prefill
+
+
 def decoder(
     path: Path, threads: int, prompt_ids: list[int], new_tokens: int
 ) -> Callable[[], tuple[list[int], float, float]]:
     """A function that decodes ``new_tokens`` greedily after ``prompt_ids`` with llama.cpp on
     ``path`` and returns the tokens, the seconds the decode steps took and the prompt's."""
-    import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(
@@ -109,24 +153,35 @@ def decoder(
         n_threads_batch=threads,
         verbose=False,
     )
-    n_vocab = llm.n_vocab()
-
-    def last_argmax() -> int:  # the newest token's logits, straight from the context
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
     def run() -> tuple[list[int], float, float]:
-        llm.reset()
-        t0 = perf_counter()
-        llm.eval(prompt_ids)
-        toks: list[int] = []
-        tok = last_argmax()
-        prefill = perf_counter() - t0
-        t0 = perf_counter()
-        for _ in range(new_tokens - 1):
-            toks.append(tok)
-            llm.eval([tok])
-            tok = last_argmax()
-        toks.append(tok)
-        return toks, perf_counter() - t0, prefill
+        toks, step, prefill = greedy(llm, prompt_ids, new_tokens)
+        return toks, step * max(new_tokens - 1, 1), prefill
 
     return run
+
+
+def window_nll(logits: Any, ids: Sequence[int], begin: int, end: int, first: int) -> float:
+    """The summed negative log-likelihood of ``ids[first:end]`` from one window's logits
+    (``logits[i]``: the scores after ``ids[begin + i]``, a row per token of ``ids[begin:end]``),
+    log-softmaxed in float64."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)[first - begin - 1 : end - begin - 1]
+    m = x.max(axis=1, keepdims=True)
+    logz = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    targets = np.asarray(ids[first:end], dtype=np.int64)
+    return float((logz - x[np.arange(len(targets)), targets]).sum())
+
+
+def perplexity(llm: Any, ids: list[int], context: int, stride: int) -> dict[str, Any]:
+    """Perplexity from llama.cpp's logits of every position (a ``logits_all`` instance) over
+    :func:`llmlib.perplexity.windows`, as llmlib scores the same windows."""
+    from llmlib.perplexity import over_windows
+
+    def nll(begin: int, end: int, first: int) -> float:
+        llm.reset()
+        llm.eval(ids[begin:end])
+        return window_nll(llm.scores[: end - begin], ids, begin, end, first)
+
+    return over_windows(nll, len(ids), context, stride)
