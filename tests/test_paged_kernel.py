@@ -226,3 +226,37 @@ def test_a_querys_sums_do_not_depend_on_the_block_size(window) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     ref = _reference(q, k, v, table, lens, window=window)
     assert torch.allclose(outs[2].double(), ref, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (10, 2, 16), (12, 1, 32), (32, 8, 16)])
+def test_long_sequences_shared_out_in_spans(dtype, heads, hkv, d) -> None:
+    """Sequences longer than a span (256 keys) are cut into spans that threads share, then
+    merged; KV heads go several to a pass where registers allow (3 and 2 here, 4 of 8), one
+    KV head's 12 query heads in passes of 8. All of it equals attention over gathered keys."""
+    bs = 16
+    lens = torch.tensor([1000, 17, 700, 257, 256])
+    k, v, table = _pool_and_tables(len(lens), lens.tolist(), hkv, d, bs, dtype, seed=5)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for opts in ({}, {"window": 300}, {"softcap": 5.0, "scale": 0.5}):
+        out = paged_kernel.decode_attention(q, k, v, table, lens, **opts)
+        ref = _reference(q, k, v, table, lens, **opts)
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0, msg=f"{opts}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_querys_output_does_not_depend_on_its_batch(window) -> None:
+    """How the kernel cuts its work (spans, heads per item, threads) depends on the batch;
+    a query's arithmetic must not: alone or beside longer sequences, the same bits."""
+    lens = torch.tensor([600, 2000, 40, 1300])
+    k, v, table = _pool_and_tables(len(lens), lens.tolist(), 2, 32, 16, torch.float32, seed=9)
+    q = torch.randn(len(lens), 6, 32)
+    batch = paged_kernel.decode_attention(q, k, v, table, lens, window=window)
+    for i in range(len(lens)):
+        alone = paged_kernel.decode_attention(
+            q[i : i + 1], k, v, table[i : i + 1].contiguous(), lens[i : i + 1], window=window
+        )
+        assert torch.equal(alone[0], batch[i]), i
