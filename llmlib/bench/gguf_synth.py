@@ -3,10 +3,11 @@ loader, without the download.
 
 Only the shapes and the block types matter for what loading costs (bytes read, memory held, the
 layouts packed), so the blocks are random bytes with their float16 scales set to small finite
-values. The mix of types follows llama.cpp's Q4_K_M recipe in outline: Q4_K for most matrices,
-Q6_K for the value projection and the FFN's down projection in every other layer and for the
-LM head. ``llmlib bench memory`` and the tests use it to load an 8B model's shapes in a small
-machine's memory.
+values. The mix of types follows one of llama.cpp's recipes in outline (:data:`MIXES`): for
+Q4_K_M, Q4_K for most matrices, Q6_K for the value projection and the FFN's down projection in
+every other layer and for the LM head; Q5_K_M the same with Q5_K; Q8_0 every matrix in Q8_0.
+``llmlib bench memory`` and the tests use it to load an 8B model's shapes in a small machine's
+memory, and the 8B benchmarks to compare llama.cpp and llmlib on the same bytes.
 """
 
 from __future__ import annotations
@@ -35,11 +36,29 @@ _NAMES = {
 
 def q4_k_m_type(name: str, layer: int | None) -> T:
     """The block type of one matrix in an outline of llama.cpp's Q4_K_M mix."""
-    if name == "output":
-        return T.Q6_K
-    if name in ("attn_v", "ffn_down") and layer is not None and layer % 2 == 0:
-        return T.Q6_K
-    return T.Q4_K
+    return mix_type("Q4_K_M", name, layer)
+
+
+#: llama.cpp's file types this module outlines: the type of most matrices
+MIXES = {"Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K, "Q8_0": T.Q8_0}
+
+
+def mix_type(mix: str, name: str, layer: int | None) -> T:
+    """The block type of one matrix in an outline of llama.cpp's ``mix`` (:data:`MIXES`): the
+    K-quant mixes keep the LM head, and the value and down projections of every other layer, in
+    Q6_K; Q8_0 keeps every matrix in Q8_0."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; one of {sorted(MIXES)}")
+    if mix.endswith("_M"):
+        if name == "output":
+            return T.Q6_K
+        if name in ("attn_v", "ffn_down") and layer is not None and layer % 2 == 0:
+            return T.Q6_K
+    return MIXES[mix]
+
+
+#: GGUF's general.file_type of each mix (llama.cpp's LLAMA_FTYPE_MOSTLY_*)
+_FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7}
 
 
 def random_blocks(rows: int, cols: int, t: T, rng: np.random.Generator) -> np.ndarray:
@@ -61,12 +80,14 @@ def write_random_gguf(
     n_layers: int | None = None,
     seed=0,
     vocab: bool = False,
+    mix: str = "Q4_K_M",
 ) -> Path:
     """Write ``cfg``'s shapes (``n_layers`` of its layers, all by default) as a llama GGUF file
-    of random Q4_K_M-style blocks; float32 norms. Tensor by tensor, so the writer never holds
-    more than one matrix. ``vocab``: also a SentencePiece-style vocabulary of the model's size
-    (the 256 byte tokens, then made-up pieces), so that tools that need one (llama.cpp, the
-    benchmarks' prompts) run on the file."""
+    of random blocks in an outline of llama.cpp's ``mix`` (:data:`MIXES`); float32 norms. Tensor
+    by tensor, so the writer never holds more than one matrix. ``vocab``: also a
+    SentencePiece-style vocabulary of the model's size (the 256 byte tokens, then made-up
+    pieces), so that tools that need one (llama.cpp, the benchmarks' prompts) run on the
+    file."""
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     cfg = cfg.replace(rope_scaling=None, n_layers=n_layers or cfg.n_layers)
     path = Path(path)
@@ -92,6 +113,7 @@ def write_random_gguf(
         shapes += [("output", (cfg.vocab_size, d), None)]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"{cfg.name} (random blocks)")
+    w.add_file_type(_FILE_TYPES[mix])
     w.add_block_count(cfg.n_layers)
     w.add_context_length(min(cfg.max_seq_len, 8192))
     w.add_embedding_length(d)
@@ -108,7 +130,7 @@ def write_random_gguf(
         _add_vocab(w, cfg.vocab_size)
     types = {}
     for name, shape, layer in shapes:
-        t = T.F32 if len(shape) == 1 else q4_k_m_type(name.rpartition(".")[2], layer)
+        t = T.F32 if len(shape) == 1 else mix_type(mix, name.rpartition(".")[2], layer)
         types[name] = t
         if t == T.F32:
             w.add_tensor_info(f"{name}.weight", shape, np.dtype(np.float32), 4 * shape[0])
@@ -150,3 +172,25 @@ def _add_vocab(w: gguf.GGUFWriter, size: int) -> None:
     w.add_add_bos_token(True)
     # a plain template: the messages' text, one per line, then the answer
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``llmlib bench gguf_synth OUT``: write such a file (the 8B benchmarks' input)."""
+    import argparse
+
+    from llmlib.config import PRESETS
+
+    ap = argparse.ArgumentParser(
+        prog="llmlib bench gguf_synth", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("out", help="the .gguf file to write")
+    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--mix", default="Q4_K_M", choices=sorted(MIXES))
+    ap.add_argument("--layers", type=int, default=None, help="the first N layers (default: all)")
+    ap.add_argument("--no-vocab", action="store_true", help="no vocabulary (llama.cpp needs one)")
+    args = ap.parse_args(argv)
+    path = write_random_gguf(
+        args.out, args.preset, n_layers=args.layers, vocab=not args.no_vocab, mix=args.mix
+    )
+    print(f"{path}: {path.stat().st_size / 1e9:.2f} GB, {args.preset} in {args.mix}")
+    return 0
