@@ -85,6 +85,8 @@ inline void fstore(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
 inline I16 izero() { return {_mm512_setzero_si512()}; }
 inline I16 iload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 inline I16 iset(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline void istore(uint8_t* p, I16 a) { _mm512_storeu_si512(p, a.v); }
+inline I16 iadd8(I16 a, int8_t b) { return {_mm512_add_epi8(a.v, _mm512_set1_epi8(b))}; }
 inline F16 to_float(I16 a, int32_t minus) {
   return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, _mm512_set1_epi32(minus)))};
 }
@@ -175,6 +177,14 @@ inline I16 iload(const uint8_t* p) {
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
 inline I16 iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline void istore(uint8_t* p, I16 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
+}
+inline I16 iadd8(I16 a, int8_t b) {
+  const __m256i v = _mm256_set1_epi8(b);
+  return {_mm256_add_epi8(a.lo, v), _mm256_add_epi8(a.hi, v)};
+}
 inline F16 to_float(I16 a, int32_t) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline void nibbles(I16 raw, I16& lo, I16& hi) {
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -634,6 +644,25 @@ const std::vector<int32_t>& sums16(const QuantizedRows& r, int64_t n) {
   return halves;
 }
 
+// One 6-bit tile (int6_tile's layout, K columns) widened to the 8-bit group tile's layout, u =
+// c + 96 so that u - 128 = c - 32: the codes int6_tile multiplies, byte for byte. A prompt's many
+// rows then go through int8g_tile and pay for the unpacking once a tile, not once a pair of rows;
+// the integer sums, and so the results, are the same.
+inline void widen6(const uint8_t* w, int64_t K, uint8_t* out) {
+  constexpr int64_t BYTES = 16 * TILE * 6 / 8;  // per 16 columns
+  for (int64_t c0 = 0; c0 < K; c0 += 16) {
+    const uint8_t* ws = w + (c0 / 16) * BYTES;
+    for (int j = 0; j < 4; ++j) {
+      I16 q[4];
+      sixes(iload(ws + j * 64), iload(ws + j * 64 + 256), iload(ws + j * 64 + 512), q);
+      for (int g = 0; g < 4; ++g) istore(out + c0 * TILE + g * 4 * TILE + j * 64, iadd8(q[g], 96));
+    }
+  }
+}
+
+// rows of a 6-bit product from which its tiles are widened first (widen6)
+constexpr int64_t WIDEN_ROWS = 16;
+
 // R rows against one tile of 6- or 8-bit group codes (BITS), the same constants either way
 template <int BITS, int R, int S, typename C, typename M, typename T>
 inline void group_tile(const uint8_t* w, const C* d, const M* m, const float* u, int64_t group,
@@ -653,12 +682,23 @@ void group_run(const uint8_t* wp, const C* dp, const Mc* mp, const float* up, in
   const int64_t N = tiles * TILE, per_tile = (K / group) * TILE, nb = K / QK, ns = K / S;
   const int64_t per_unit = (K / UNIT) * TILE, bytes = K * TILE * BITS / 8;
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
+    std::vector<uint8_t> wide(BITS == 6 && M >= WIDEN_ROWS ? K * TILE : 0);
     for (int64_t t = a; t < e; ++t) {
       const uint8_t* wt = wp + t * bytes;
       const C* dt = dp + t * per_tile;
       const Mc* mt = mp ? mp + t * per_tile : nullptr;
       const float* ut = up ? up + t * per_unit : nullptr;
       int64_t i = 0;
+      if (!wide.empty()) {  // many rows: unpack the tile once, then as 8-bit codes
+        widen6(wt, K, wide.data());
+        for (; i + 2 <= M; i += 2)
+          group_tile<8, 2, S>(wide.data(), dt, mt, ut, group, r.q.data() + i * K,
+                              r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+        if (i < M)
+          group_tile<8, 1, S>(wide.data(), dt, mt, ut, group, r.q.data() + i * K,
+                              r.scale.data() + i * nb, sum + i * ns, K, yp + i * N + t * TILE, N);
+        continue;
+      }
       for (; i + 2 <= M; i += 2) {  // two rows share each load (and unpacking) of the tile
         if (M > 2 && t + 1 < e) prefetch_slice(wt + bytes, bytes, i / 2, M / 2);
         group_tile<BITS, 2, S>(wt, dt, mt, ut, group, r.q.data() + i * K, r.scale.data() + i * nb,
