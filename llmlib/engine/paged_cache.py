@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from llmlib.engine.kv_rows import (
@@ -40,6 +41,19 @@ from llmlib.engine.kv_rows import (
 from llmlib.kernels.paged_attention import decode_attention, serves_pool, serves_spec
 from llmlib.model.attention import AttentionSpec
 from llmlib.shapes import kv_cache_bytes
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On the CPU from ``calloc`` (NumPy's zeros): fresh pages that the system
+    zeroes when first touched, so only the blocks written commit memory and a start does not
+    wait for a gigabyte of writes (``torch.zeros`` writes every byte)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = np.zeros(numel * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -75,9 +89,8 @@ class PagedKVCache:
         coded = kv_cache_dtype == "int8"
         shape = (num_blocks, block_size, n_kv_heads, head_dim + (SCALE_BYTES if coded else 0))
         held = torch.int8 if coded else dtype
-        # on the CPU torch.zeros maps pages lazily: only blocks written to commit memory
-        self.k = [torch.zeros(shape, device=self.device, dtype=held) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=held) for _ in range(n_layers)]
+        self.k = [_zeros(shape, held, self.device) for _ in range(n_layers)]
+        self.v = [_zeros(shape, held, self.device) for _ in range(n_layers)]
         self.kernel = serves_pool(self.k[0])  # decode by llmlib.kernels.paged_attention
 
     @property
