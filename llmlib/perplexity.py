@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -38,7 +37,15 @@ def windows(n: int, context: int, stride: int) -> Iterator[tuple[int, int, int]]
             break
 
 
-def over_windows(nll_of_window, n: int, context: int, stride: int) -> dict[str, Any]:
+@dataclass
+class Perplexity:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    tokens: int  # tokens scored
+    windows: int
+
+
+def over_windows(nll_of_window, n: int, context: int, stride: int) -> Perplexity:
     """Perplexity of ``n`` tokens over :func:`windows`, where ``nll_of_window(begin, end,
     first)`` returns a window's summed NLL: how an engine or a peer that is not a module (the
     batching engine's prompt log-probabilities, llama.cpp's logits) is scored the same way."""
@@ -49,20 +56,11 @@ def over_windows(nll_of_window, n: int, context: int, stride: int) -> dict[str, 
         nwin += 1
     if count == 0:
         raise ValueError("perplexity needs at least two tokens")
-    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count,
-            "windows": nwin}  # fmt: skip
+    return Perplexity(math.exp(total / count), total / count, count, nwin)
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.view(1, -1).to(model.device))[0].float()
-
-
-@dataclass
-class Perplexity:
-    perplexity: float
-    nll: float  # mean negative log-likelihood per scored token (nats)
-    tokens: int  # tokens scored
-    windows: int
 
 
 @torch.inference_mode()
@@ -72,17 +70,13 @@ def perplexity_details(
     """:func:`perplexity` with its parts: mean NLL, tokens scored, windows run."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
     context = min(context, model.config.max_seq_len)
-    total, count, nwin = 0.0, 0, 0
-    for begin, end, first in windows(len(ids), context, min(stride, context)):
+
+    def nll(begin: int, end: int, first: int) -> float:
         logp = torch.log_softmax(_logits(model, ids[begin:end]), dim=-1)
         pos = torch.arange(first - begin, end - begin)  # targets inside the window
-        nll = -logp[pos - 1].gather(1, ids[begin:end][pos].view(-1, 1))
-        total += float(nll.sum())
-        count += len(pos)
-        nwin += 1
-    if count == 0:
-        raise ValueError("perplexity needs at least two tokens")
-    return Perplexity(math.exp(total / count), total / count, count, nwin)
+        return float(-logp[pos - 1].gather(1, ids[begin:end][pos].view(-1, 1)).sum())
+
+    return over_windows(nll, len(ids), context, min(stride, context))
 
 
 def perplexity(

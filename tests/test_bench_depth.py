@@ -56,7 +56,7 @@ def test_nll_from_logits_and_from_prompt_logprobs_equal_cross_entropy() -> None:
         return depth._llama_cpp.window_nll(logits[begin:end].numpy(), ids, begin, end, first)
 
     p = over_windows(nll, n, context, stride)
-    assert p["tokens"] == n - 1 and p["perplexity"] == pytest.approx(math.exp(total / count))
+    assert p.tokens == n - 1 and p.perplexity == pytest.approx(math.exp(total / count))
     with pytest.raises(ValueError, match="not token"):  # misaligned entries are caught
         depth.logprobs_nll(entries, [t + 1 for t in ids], begin, first, end)
 

@@ -3,15 +3,14 @@ paged kernel as stored, and everywhere else widened back; the engine sized and r
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_paged_kernel import TINY, _reference, needs_kernel
 
-from llmlib.config import ModelConfig
 from llmlib.engine.kv_rows import (
     KV_CACHE_DTYPES,
     dequantize_rows,
@@ -22,11 +21,6 @@ from llmlib.engine.paged_cache import PagedKVCache, SeqChunk
 from llmlib.kernels import native
 from llmlib.kernels import paged_attention as paged_kernel
 from llmlib.model.attention import AttentionSpec
-
-needs_kernel = pytest.mark.skipif(
-    not paged_kernel.available(),
-    reason="no AVX-512 or AVX2, or no compiler: the kernel cannot run here",
-)
 
 
 def test_rows_round_to_half_a_step_and_keep_their_scale() -> None:
@@ -59,25 +53,6 @@ def test_bytes_per_value_and_bad_names() -> None:
     held = sum(t[:1].numel() * t.element_size() for t in (*cache.k, *cache.v))
     assert cache.bytes_per_block == held
     assert "int8" in KV_CACHE_DTYPES
-
-
-def _reference(q, k, v, table, lens, window=None, scale=None, softcap=None):
-    """Attention in float64 over each sequence's widened blocks, under a mask."""
-    n, H, D = q.shape
-    bs, hkv = k.shape[1], k.shape[2]
-    nb = table.shape[1]
-    kd = k[table.view(-1)].view(n, nb * bs, hkv, D).transpose(1, 2).double()
-    vd = v[table.view(-1)].view(n, nb * bs, hkv, D).transpose(1, 2).double()
-    pos = torch.arange(nb * bs)[None, :]
-    mask = pos < lens[:, None]
-    if window is not None:
-        mask &= pos >= lens[:, None] - window
-    kd, vd = kd.repeat_interleave(H // hkv, 1), vd.repeat_interleave(H // hkv, 1)
-    s = (q.double()[:, :, None] @ kd.transpose(-1, -2)) * (scale or 1 / math.sqrt(D))
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return (s.softmax(-1) @ vd)[:, :, 0]
 
 
 @needs_kernel
@@ -131,13 +106,6 @@ def test_paged_step_same_with_and_without_kernel(window) -> None:
     fast, slow = (c.step(chunks).attend(0, q, k, v, AttentionSpec(window=window)) for c in pools)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
     assert torch.equal(pools[0].k[0], pools[1].k[0]) and torch.equal(pools[0].v[0], pools[1].v[0])
-
-
-TINY = ModelConfig(
-    name="tiny", vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-    max_seq_len=256, rope_theta=50_000.0, norm_eps=1e-6, tie_embeddings=False, bos_token_id=1,
-    eos_token_ids=(2,),
-)  # fmt: skip
 
 
 @needs_kernel

@@ -174,7 +174,7 @@ def window_nll(logits: Any, ids: Sequence[int], begin: int, end: int, first: int
     return float((logz - x[np.arange(len(targets)), targets]).sum())
 
 
-def perplexity(llm: Any, ids: list[int], context: int, stride: int) -> dict[str, Any]:
+def perplexity(llm: Any, ids: list[int], context: int, stride: int) -> Any:
     """Perplexity from llama.cpp's logits of every position (a ``logits_all`` instance) over
     :func:`llmlib.perplexity.windows`, as llmlib scores the same windows."""
     from llmlib.perplexity import over_windows

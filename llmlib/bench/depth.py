@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from llmlib.bench import _llama_cpp, save_json
-from llmlib.perplexity import over_windows
+from llmlib.perplexity import Perplexity, over_windows
 
 KV_CACHE_DTYPES = _llama_cpp.KV_CACHE_TYPES
 
@@ -115,7 +115,7 @@ def llmlib_engine(path: Path, kv: str, max_model_len: int, compile: bool | None 
                compile=compile, kv_cache_dtype=kv)  # fmt: skip
 
 
-def llmlib_perplexity(llm: Any, ids: list[int], context: int, stride: int) -> dict[str, Any]:
+def llmlib_perplexity(llm: Any, ids: list[int], context: int, stride: int) -> Perplexity:
     """Perplexity scored through the engine: each window a request with ``prompt_logprobs``."""
     from llmlib.sampling import SamplingParams
 
@@ -264,9 +264,9 @@ def quality(
     for kv, g in gens.items():
         log(f"perplexity, llmlib {kv}: {len(ids)} tokens, windows of {context} by {stride}")
         p = llmlib_perplexity(g, ids, context, stride)
-        ppl["llmlib"][kv] = round(p["perplexity"], 4)
-        out["scored_tokens"], out["windows"] = p["tokens"], p["windows"]
-        log(f"  {p['perplexity']:.4f}")
+        ppl["llmlib"][kv] = round(p.perplexity, 4)
+        out["scored_tokens"], out["windows"] = p.tokens, p.windows
+        log(f"  {p.perplexity:.4f}")
     if peer:
         ppl["llama.cpp"] = {}
         for kv in gens:
@@ -274,8 +274,8 @@ def quality(
             llm = _llama_cpp.llama(path, kv, threads, context, logits_all=True)
             p = _llama_cpp.perplexity(llm, ids, context, stride)
             del llm
-            ppl["llama.cpp"][kv] = round(p["perplexity"], 4)
-            log(f"  {p['perplexity']:.4f}")
+            ppl["llama.cpp"][kv] = round(p.perplexity, 4)
+            log(f"  {p.perplexity:.4f}")
     out["perplexity"] = ppl
     out["vs_auto"] = {
         who: {kv: ratio(v, by_kv.get("auto")) for kv, v in by_kv.items() if kv != "auto"}
